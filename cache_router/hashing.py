@@ -1,0 +1,158 @@
+"""Prefix hashing and routing keys: pure functions, no Ray, shared by the ingress and the replicas.
+
+Contract (the router and the replicas must hash identically, in every process):
+- every digest is blake2b(digest_size=16) over a stable byte encoding — token ids as
+  int64 little-endian, messages as sorted-key compact ASCII JSON — never Python's hash();
+- `block_hashes` is chained: block i's hash covers blocks 0..i, and only full blocks
+  are hashed, so the hashes of a prefix are a prefix of the hashes;
+- `route_key` keeps a conversation on one replica across turns: caller, model and the
+  messages up to and including the first user message (a shared system prompt alone
+  never decides it);
+- `history_key` names a conversation's exact history, chained per message so that a
+  new turn extends the previous key by one step;
+- `rendezvous_rank` orders replicas by highest random weight: removing a replica only
+  moves the keys it owned.
+"""
+
+import hashlib
+import json
+import struct
+from collections.abc import Mapping, Sequence
+
+DIGEST_SIZE = 16
+_ROOT = bytes(DIGEST_SIZE)  # the parent of block 0 when no parent is given
+# The message fields that decide how a message renders; anything else is ignored.
+_MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id",
+                   "reasoning", "reasoning_content")
+
+
+def _digest(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def _ids_bytes(token_ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}q", *token_ids)
+
+
+def _json_bytes(obj) -> bytes:
+    # ASCII output: deterministic, and lone surrogates cannot break the encoding.
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int,
+                 parent: bytes | None = None) -> list[bytes]:
+    """Chained hashes of the full blocks of `token_ids`: h_i = H(h_{i-1} || ids of block i).
+
+    `parent` is the hash of the block before `token_ids[0]` (None: the start of a
+    sequence). A trailing partial block is not hashed.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    hashes: list[bytes] = []
+    prev = _ROOT if parent is None else parent
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        prev = _digest(prev, _ids_bytes(token_ids[start:start + block_size]))
+        hashes.append(prev)
+    return hashes
+
+
+def prefix_hash(token_ids: Sequence[int]) -> bytes:
+    """Hash of exactly `token_ids` (length included), for checkpoints that end inside a block."""
+    return _digest(b"prefix", struct.pack("<q", len(token_ids)), _ids_bytes(token_ids))
+
+
+def _canonical_part(part):
+    """A content part as what renders: a text part becomes its text, any other part
+    (image, audio, ...) keeps its type and payload, so two different images never hash alike."""
+    if isinstance(part, str):
+        return part
+    if isinstance(part, Mapping) and part.get("type", "text") == "text" and "text" in part:
+        return part["text"]
+    return part
+
+
+def canonical_message(msg: Mapping) -> dict:
+    """The fields of a chat message that decide its render, top-level None values dropped.
+
+    String content stays a string; a list of content parts becomes a list of the
+    parts' text (non-text parts kept whole, see `_canonical_part`). Nested values are
+    kept as sent: a difference there can only cost a cache miss, never a wrong hit.
+    """
+    out = {}
+    for key in _MESSAGE_FIELDS:
+        value = msg.get(key)
+        if value is None:
+            continue
+        if key == "content" and not isinstance(value, str):
+            value = [_canonical_part(p) for p in value]
+        out[key] = value
+    return out
+
+
+def _routed_messages(messages: Sequence[Mapping]) -> list[Mapping]:
+    """Messages up to and including the first user message; all of them if there is none."""
+    for i, msg in enumerate(messages):
+        if msg.get("role") == "user":
+            return list(messages[:i + 1])
+    return list(messages)
+
+
+def route_key(caller: str, model: str, messages: list[dict] | None = None,
+              token_ids: Sequence[int] | None = None, block_size: int = 16,
+              num_route_blocks: int = 4) -> str:
+    """The conversation's routing key (hex). Exactly one of `messages` / `token_ids`.
+
+    Messages: caller, model and the canonical messages up to the first user message.
+    Token ids: caller, model and the chained hash of the first `num_route_blocks`
+    full blocks (all ids when the prompt is shorter than one block).
+    """
+    if (messages is None) == (token_ids is None):
+        raise ValueError("route_key takes exactly one of messages / token_ids")
+    if messages is not None:
+        routed = [canonical_message(m) for m in _routed_messages(messages)]
+        return _digest(_json_bytes(["route/messages", caller, model, routed])).hex()
+    if num_route_blocks <= 0:
+        raise ValueError(f"num_route_blocks must be positive, got {num_route_blocks}")
+    head = token_ids[:block_size * num_route_blocks]
+    hashes = block_hashes(head, block_size)
+    ids_hash = hashes[-1] if hashes else prefix_hash(head)
+    return _digest(_json_bytes(["route/token_ids", caller, model]), ids_hash).hex()
+
+
+def extend_history_key(key: str, message: Mapping) -> str:
+    """The history key of `history + [message]`, given the key of `history`."""
+    return _digest(bytes.fromhex(key), _json_bytes(canonical_message(message))).hex()
+
+
+def history_key(caller: str, model: str, template_options: Mapping | None,
+                messages: Sequence[Mapping]) -> str:
+    """Chained digest of caller, model, template options and every canonical message (hex).
+
+    `history_key(..., msgs[:k+1]) == extend_history_key(history_key(..., msgs[:k]), msgs[k])`.
+    """
+    options = dict(template_options or {})  # None values kept: a template may tell them apart
+    key = _digest(_json_bytes(["history", caller, model, options])).hex()
+    for message in messages:
+        key = extend_history_key(key, message)
+    return key
+
+
+def _rendezvous_score(key: str, replica_id: str) -> int:
+    # The NUL separator keeps (key, id) pairs unambiguous.
+    digest = _digest(key.encode("utf-8"), b"\x00", replica_id.encode("utf-8"))
+    return int.from_bytes(digest[:8], "big")
+
+
+def rendezvous_rank(key: str, replica_ids: Sequence[str]) -> list[str]:
+    """Replica ids by highest-random-weight score H(key, id), best first; ties by id."""
+    return sorted(replica_ids, key=lambda rid: (-_rendezvous_score(key, rid), rid))
+
+
+def rendezvous_owner(key: str, replica_ids: Sequence[str]) -> str:
+    """The replica that owns `key` among `replica_ids` (the first of `rendezvous_rank`)."""
+    if not replica_ids:
+        raise ValueError("rendezvous_owner needs at least one replica id")
+    return rendezvous_rank(key, replica_ids)[0]

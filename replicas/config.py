@@ -1,0 +1,47 @@
+"""EngineConfig: what one replica's engine is built from. Frozen; validated once in the builder.
+
+Values measured at start-up (the number of KV blocks, the resolved dtype) belong
+to the engine, never written back here.
+"""
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MiB = 1 << 20
+MAX_DEFAULT_CONTEXT = 8192
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(description="A prepared checkpoint directory (config.json, *.safetensors, tokenizer).")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Weights' and KV's precision. auto: bfloat16 where the hardware has fast bf16 "
+                            "(AMX / AVX512-BF16 on CPU, CUDA), float32 otherwise.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available.")
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
+    kv_cache_bytes: int = Field(256 * MiB, ge=1 * MiB, description="Byte budget of the paged KV block pool.")
+    num_kv_blocks: int | None = Field(None, ge=1, description="Overrides the pool size in blocks (tests, tuning).")
+    max_num_seqs: int = Field(16, ge=1, le=1024, description="Sequences in one running batch (the replica's capacity).")
+    max_num_batched_tokens: int = Field(512, ge=16, description="Token budget of one step (decode rows + prefill chunks).")
+    max_model_len: int | None = Field(None, ge=16, description="Context length; default: the model's, capped at 8192.")
+    num_threads: int | None = Field(None, ge=1, description="torch threads; default: the CPUs Ray gives the replica.")
+
+    @model_validator(mode="after")
+    def _budget_covers_a_decode_batch(self):
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per sequence)")
+        return self
+
+    def context_len(self, max_position_embeddings: int) -> int:
+        """The context before the KV pool caps it: max_model_len, else the model's, at most 8192."""
+        return min(self.max_model_len or MAX_DEFAULT_CONTEXT, max_position_embeddings)
+
+
+def read_max_position_embeddings(model_dir: str) -> int:
+    """From config.json, without loading the model (the ingress has no torch)."""
+    with open(Path(model_dir) / "config.json") as f:
+        return int(json.load(f)["max_position_embeddings"])

@@ -1,0 +1,50 @@
+"""Device, precision and threads: what the hardware under a replica decides."""
+
+import os
+
+import torch
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def has_fast_bf16(device: torch.device) -> bool:
+    """CUDA, or a CPU with AMX or AVX512-BF16 (where oneDNN runs bf16 matmuls natively)."""
+    if device.type == "cuda":
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if has_fast_bf16(device) else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def set_threads(num_threads: int | None) -> int:
+    """torch's intra-op threads: the configured number, else the CPUs Ray assigned (at least 1)."""
+    if num_threads is None:
+        num_threads = assigned_cpus() or os.cpu_count() or 1
+    num_threads = max(1, int(num_threads))
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
+def assigned_cpus() -> int | None:
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
+        return max(1, int(cpus))
+    except Exception:
+        return None

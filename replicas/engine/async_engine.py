@@ -1,0 +1,104 @@
+"""AsyncEngine: the Engine's step loop on its own thread, with an asyncio face.
+
+The event loop never touches the Engine: it posts adds and aborts to an inbox;
+the step thread drains the inbox between steps, steps, and hands each step's
+deltas back to the loop in one call. A caller that goes away (its generator
+closed or cancelled) posts an abort, so its blocks are freed at the next step.
+"""
+
+import asyncio
+import queue
+import threading
+from typing import AsyncIterator
+
+from replicas.engine.engine import Engine
+from replicas.messages import GenerateDelta, GenerateRequest
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="tether-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        if self.error is not None:
+            raise RuntimeError(f"engine failed: {self.error!r}")
+        self.engine.check_request(request)  # reads config only; raises RequestError before any state
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
+        self._post(("add", request))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self._post(("abort", request.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=5)
+
+    def _post(self, message) -> None:
+        self._inbox.put(message)
+        self._wakeup.set()
+
+    # -- the step thread ------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                self._deliver(self.engine.step())
+        except BaseException as exc:  # a bug in a step: fail every open stream, report unhealthy
+            self.error = exc
+            for request_id in list(self._streams):
+                self._deliver_to(request_id, exc)
+            raise
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "abort":
+                self.engine.abort_request(payload)
+            elif payload.request_id in self._streams:  # an add whose caller is still there
+                try:
+                    self.engine.add_request(payload)
+                except Exception as exc:
+                    self._deliver_to(payload.request_id, exc)
+
+    def _deliver(self, deltas: list[GenerateDelta]) -> None:
+        for delta in deltas:
+            self._deliver_to(delta.request_id, delta)
+
+    def _deliver_to(self, request_id: str, item) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, stream = entry
+            loop.call_soon_threadsafe(stream.put_nowait, item)

@@ -1,0 +1,136 @@
+"""Engine: one model, one KV pool, one scheduler; tokens in, deltas out. Synchronous.
+
+    step():  scheduled = scheduler.schedule()
+             token_ids = model_runner.run(scheduled)
+             updated   = scheduler.postprocess(scheduled, token_ids)
+             -> detokenize the updated requests, end those that hit a stop string
+
+The engine is not thread-safe: AsyncEngine owns it from one thread.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from replicas.cache.block_pool import BlockPool
+from replicas.cache.kv_cache_manager import KVCacheManager
+from replicas.config import EngineConfig
+from replicas.device import resolve_device, resolve_dtype
+from replicas.engine.detokenizer import IncrementalDetokenizer
+from replicas.engine.model_runner import ModelRunner
+from replicas.engine.request import Request, RequestStatus
+from replicas.engine.scheduler import Scheduler
+from replicas.messages import GenerateDelta, GenerateRequest, RequestError
+from replicas.models.loader import load_model
+from replicas.tokenizer import eos_token_ids, load_tokenizer
+
+
+@dataclass
+class EngineStats:
+    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model (recomputation included)
+    num_prompt_tokens_cached: int = 0  # prompt tokens served from the prefix cache
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
+        kv_caches, num_blocks = self._allocate_kv_caches()
+        self.block_pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(KVCacheManager(self.block_pool, config.block_size),
+                                   config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device)
+        model_len = config.context_len(self.model_config.max_position_embeddings)
+        # A request that fits the context must fit the pool alone, or it could never finish.
+        self.max_model_len = min(model_len, num_blocks * config.block_size)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.stats = EngineStats()
+
+    def _allocate_kv_caches(self):
+        cfg = self.model_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        block_shape = (self.config.block_size, cfg.num_key_value_heads, head_dim)
+        bytes_per_block = 2 * cfg.num_hidden_layers * torch.Size(block_shape).numel() * self.dtype.itemsize
+        num_blocks = self.config.num_kv_blocks or self.config.kv_cache_bytes // bytes_per_block
+        caches = [(torch.zeros((num_blocks, *block_shape), dtype=self.dtype, device=self.device),
+                   torch.zeros((num_blocks, *block_shape), dtype=self.dtype, device=self.device))
+                  for _ in range(cfg.num_hidden_layers)]
+        return caches, num_blocks  # per layer (k, v): [num_blocks, block_size, Hkv, D]
+
+    # -- requests ---------------------------------------------------------
+
+    def check_request(self, request: GenerateRequest) -> int:
+        """Raises RequestError if the request can never run here; returns its resolved max_tokens."""
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if num_prompt >= self.max_model_len:
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; "
+                               f"the prompt has {num_prompt}.", param="messages", code="context_length_exceeded")
+        room = self.max_model_len - num_prompt
+        max_tokens = request.sampling.max_tokens
+        if max_tokens is not None and max_tokens > room:
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; "
+                               f"{num_prompt} in the prompt + {max_tokens} max_tokens exceed it.",
+                               param="max_tokens", code="context_length_exceeded")
+        return room if max_tokens is None else max_tokens
+
+    def add_request(self, request: GenerateRequest) -> None:
+        if request.request_id in self.requests:
+            raise RequestError(f"request id {request.request_id!r} is already running", param="request_id")
+        max_tokens = self.check_request(request)
+        req = Request(request.request_id, list(request.prompt_token_ids), request.sampling,
+                      max_tokens, self.eos_token_ids)
+        self.requests[req.request_id] = req
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, stop=list(request.sampling.stop))
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        self.detokenizers.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------
+
+    def step(self) -> list[GenerateDelta]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        for item in scheduled:
+            num_prompt_left = item.request.num_prompt_tokens - item.request.num_computed_tokens
+            self.stats.num_prompt_tokens_computed += max(0, min(item.num_tokens, num_prompt_left))
+        token_ids = self.runner.run(scheduled)
+        updated = self.scheduler.postprocess(scheduled, token_ids)
+        self.stats.num_steps += 1
+        self.stats.num_generated_tokens += len(updated)
+        return [self._delta(req) for req in updated]
+
+    def _delta(self, req: Request) -> GenerateDelta:
+        detok = self.detokenizers[req.request_id]
+        token_id = req.token_ids[-1]
+        detok.add_tokens([token_id], skip_text=req.status == RequestStatus.FINISHED_STOPPED)
+        if detok.stopped:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        finished = req.status.is_finished
+        delta = GenerateDelta(req.request_id, [token_id], detok.take_delta(finished),
+                              req.status.finish_reason if finished else None,
+                              req.num_prompt_tokens, req.num_cached_tokens, req.num_output_tokens)
+        if finished:
+            del self.requests[req.request_id]
+            del self.detokenizers[req.request_id]
+        return delta

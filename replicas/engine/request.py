@@ -1,0 +1,72 @@
+"""Request: one sequence's state inside the engine.
+
+There is no prefill or decode phase: a request has `num_tokens` (prompt +
+generated) and `num_computed_tokens` (those whose KV is in the cache); each step
+computes some of the difference, and a token is sampled when the step reaches
+the end.
+"""
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from replicas.messages import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value >= RequestStatus.FINISHED_STOPPED.value
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int  # resolved: the request's, or the rest of the context
+    eos_token_ids: frozenset[int]
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (0 until prefix reuse lands)
+    block_table: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)
+        if self.sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    def is_stop_token(self, token_id: int) -> bool:
+        if token_id in self.sampling.stop_token_ids:
+            return True
+        return not self.sampling.ignore_eos and token_id in self.eos_token_ids

@@ -1,0 +1,114 @@
+"""Scheduler: decides which tokens of which requests the next step computes.
+
+There is no "prefill phase" and "decode phase": every request has
+`num_tokens` and `num_computed_tokens`, and a step gives each running request
+up to the difference, under one token budget. Running requests go first, in
+arrival order; waiting requests join between steps while the budget, the batch
+capacity and the block pool allow, their prompts cut into chunks. A running
+request that cannot get a block preempts the newest running request (its
+blocks are freed and it is recomputed later: its token ids are kept, so the
+output is unchanged). A request is never scheduled without its blocks.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from replicas.cache.kv_cache_manager import KVCacheManager
+from replicas.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+
+    @property
+    def samples(self) -> bool:
+        # The step reaches the end of the known tokens, so it yields the next one.
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv_manager = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        # running
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_manager.allocate_slots(request, num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    num_tokens = 0
+                    break
+            if num_tokens:
+                scheduled.append(ScheduledRequest(request, num_tokens))
+                budget -= num_tokens
+                i += 1
+        # waiting
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_manager.allocate_slots(request, num_tokens):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_tokens))
+            budget -= num_tokens
+        return scheduled
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def postprocess(self, scheduled: list[ScheduledRequest], sampled_token_ids: list[int]) -> list[Request]:
+        """Advance the computed counts, append the sampled tokens (one per sampling row, in order),
+        finish what hit a stop token or its length. Returns the requests that got a token."""
+        sampled = iter(sampled_token_ids)
+        updated = []
+        for item in scheduled:
+            request = item.request
+            samples = item.samples
+            request.num_computed_tokens += item.num_tokens
+            if not samples:
+                continue
+            token_id = next(sampled)
+            request.token_ids.append(token_id)
+            if request.is_stop_token(token_id):
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+            elif request.num_output_tokens >= request.max_tokens:
+                self.finish(request, RequestStatus.FINISHED_LENGTH)
+            updated.append(request)
+        return updated
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Ends a request now (stop token, length, stop string, abort) and frees its blocks."""
+        if request.status.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_manager.free(request)
+        request.status = status

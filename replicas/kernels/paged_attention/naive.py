@@ -1,0 +1,57 @@
+"""Paged attention, the PyTorch reference (CPU path, and the spec for the Triton kernel).
+
+One step's tokens are flattened to T rows (decode rows and prefill chunks of
+several sequences together). The KV cache of one layer is a block pool:
+
+    k_cache: [num_blocks, block_size, Hkv, D]     slot = block_id * block_size + offset
+
+The step's sequences are split into at most two groups (decode rows, prefill
+chunks) so a decode batch never pads to a prefill chunk's length. Each group is
+a padded view, built once per step by the model runner and shared by all layers:
+
+    query_index [B, Q]   row of each query in the flattened T (padding -> any row)
+    query_valid [B, Q]   False on padding
+    key_slots   [B, L]   cache slot of key position j of sequence b (padding -> slot 0)
+    mask        [B, 1, Q, L]  key j visible to query i: j <= position(i), j < context_len(b)
+
+No Python loop over sequences: one gather, one SDPA and one scatter per group.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    query_index: torch.Tensor  # [B, Q] int64
+    query_valid: torch.Tensor  # [B, Q] bool
+    key_slots: torch.Tensor  # [B, L] int64
+    mask: torch.Tensor  # [B, 1, Q, L] bool
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    # k, v: [T, Hkv, D]; slot_mapping: [T]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def naive_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          groups: list[AttentionGroup], scale: float) -> torch.Tensor:
+    # q: [T, H, D] -> out: [T, H, D]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+    for g in groups:  # at most two: decode rows, prefill chunks
+        q_g = q[g.query_index].transpose(1, 2)  # [B, H, Q, D]
+        k_g = k_flat[g.key_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        v_g = v_flat[g.key_slots].transpose(1, 2)
+        o_g = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=g.mask, scale=scale,
+                                             enable_gqa=q_g.shape[1] != k_g.shape[1])
+        o_g = o_g.transpose(1, 2)  # [B, Q, H, D]
+        out[g.query_index[g.query_valid]] = o_g[g.query_valid]
+    return out

@@ -1,0 +1,89 @@
+"""The typed contract across the Serve handle, ingress <-> ModelReplica.
+
+Plain dataclasses (pickled by Ray), no pydantic: validation happened at the
+ingress; these carry already-valid values.
+
+A `ModelReplica.generate(request)` call yields `GenerateDelta`s:
+- every delta carries the token ids and text produced since the previous one;
+- exactly one delta has `finish_reason` set, and it is the last;
+- usage counts (`num_prompt_tokens`, `num_cached_tokens`, `num_generated_tokens`)
+  are cumulative and exact on every delta.
+A request the replica cannot serve raises `RequestError` before the first delta.
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None  # per-request generator: same seed, same output, whatever the batch
+    max_tokens: int | None = None  # None: the rest of the context
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    # Who asked (API key digest, else `user`, else ""): namespaces per-caller state.
+    caller: str = ""
+    # Routing hint: the conversation's key (cache_router.hashing.route_key).
+    route_key: str | None = None
+    # Room for later steps: retained conversations and recurrent checkpoints.
+    history_key: str | None = None
+    new_turn_span: tuple[int, int] | None = None
+    checkpoint_positions: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class GenerateDelta:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | None while running
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    replica_id: str = ""
+
+
+class RequestError(Exception):
+    """A request the server refuses, as the HTTP status and OpenAI error body it becomes."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.type = type
+        self.code = code
+
+    def __reduce__(self):
+        # Keeps the fields when Ray pickles the exception across the handle.
+        return (RequestError, (self.message, self.status_code, self.param, self.type, self.code))
+
+    def to_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+def as_request_error(exc: BaseException) -> RequestError | None:
+    """The RequestError inside `exc`, also when Ray wrapped it in a RayTaskError."""
+    seen = 0
+    while exc is not None and seen < 4:
+        if isinstance(exc, RequestError):
+            return RequestError(exc.message, exc.status_code, exc.param, exc.type, exc.code)
+        exc = getattr(exc, "cause", None) or exc.__cause__
+        seen += 1
+    return None

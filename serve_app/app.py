@@ -1,0 +1,72 @@
+"""build_app: the builder `serve run` / `serve deploy` import (`serve_app.app:build_app`).
+
+    serve run serve_app.app:build_app model=<dir-or-gguf> num_replicas=2 dtype=float32
+
+Validates the AppConfig once, prepares the model (GGUF -> checkpoint, cached),
+and binds the ModelReplica deployment, with the conversation router, into the
+Ingress deployment.
+"""
+
+import logging
+import os
+
+from ray import serve
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+from cache_router.router import ConversationRouter
+from replicas.deployment import ModelReplica
+from replicas.models.prepare import prepare_model
+from serve_app.backend import HandleBackend
+from serve_app.config import AppConfig
+from serve_app.routes import OpenAIServer, make_api
+
+logger = logging.getLogger("ray.serve")
+
+
+@serve.ingress()
+class Ingress:
+    def __init__(self, config: dict, replicas):
+        self.server = OpenAIServer.from_config(AppConfig(**config), HandleBackend(replicas))
+
+    def __serve_build_asgi_app__(self):
+        return make_api(self.server)
+
+
+def build_app(args: dict) -> serve.Application:
+    config = AppConfig(**_parse_args(args))
+    if os.path.exists(config.model):
+        config = config.model_copy(update={"model": os.path.abspath(config.model)})
+    model_dir = str(prepare_model(config.model))  # converts once, with a progress bar
+    # Validated here, not on a replica; replicas prepare the same spec on their own node (cached).
+    engine = config.engine_config(config.model)
+    replica_options = dict(
+        max_ongoing_requests=engine.max_num_seqs,
+        max_queued_requests=config.ingress.max_queued_requests,
+        ray_actor_options={"num_cpus": config.replica_num_cpus},
+        request_router_config=RequestRouterConfig(
+            request_router_class=ConversationRouter,
+            request_router_kwargs={"imbalance_threshold": config.router.imbalance_threshold,
+                                   "max_wait_s": config.router.max_wait_s}),
+    )
+    if config.num_replicas == "auto":
+        replica_options["autoscaling_config"] = AutoscalingConfig(min_replicas=1, max_replicas=4)
+    else:
+        replica_options["num_replicas"] = config.num_replicas
+    replicas = serve.deployment(ModelReplica, name="ModelReplica").options(**replica_options)
+    ingress = serve.deployment(Ingress, name="Ingress").options(
+        max_ongoing_requests=config.ingress.max_queued_requests + 8, ray_actor_options={"num_cpus": 0})
+    logger.info("Tether: %s as %r, %s replica(s)", model_dir, config.model_name(), config.num_replicas)
+    return ingress.bind(config.model_dump(), replicas.bind(engine.model_dump()))
+
+
+def _parse_args(args: dict) -> dict:
+    """`key=value` strings from the command line, or typed values from a YAML `args:` block."""
+    parsed = dict(args)
+    for name in ("ingress", "router", "engine"):
+        if isinstance(parsed.get(name), str):
+            import json
+
+            parsed[name] = json.loads(parsed[name])
+    if isinstance(parsed.get("num_replicas"), str) and parsed["num_replicas"] != "auto":
+        parsed["num_replicas"] = int(parsed["num_replicas"])
+    return parsed

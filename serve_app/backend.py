@@ -1,0 +1,48 @@
+"""Backends: how the ingress reaches a ModelReplica's `generate`.
+
+`HandleBackend` calls replicas through a Ray Serve handle (production, Ray
+tests); `LocalBackend` calls one in-process ModelReplica (HTTP tests, dev).
+Both return an async iterator of GenerateDeltas whose closing cancels the call,
+so a client that goes away frees its sequence on the replica.
+"""
+
+from typing import AsyncIterator
+
+from replicas.messages import GenerateDelta, GenerateRequest, RequestError
+
+
+class LocalBackend:
+    def __init__(self, replica):
+        self.replica = replica
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        generator = self.replica.generate(request)
+        try:
+            async for delta in generator:
+                yield delta
+        finally:
+            await generator.aclose()
+
+    async def model_info(self) -> dict:
+        return self.replica.model_info()
+
+
+class HandleBackend:
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        from ray.serve.exceptions import BackPressureError
+
+        response = self.handle.options(stream=True).generate.remote(request)
+        try:
+            async for delta in response:
+                yield delta
+        except BackPressureError as exc:
+            raise RequestError("all model replicas are busy; retry shortly", status_code=503,
+                               type="server_overloaded") from exc
+        finally:
+            response.cancel()
+
+    async def model_info(self) -> dict:
+        return await self.handle.model_info.remote()

@@ -1,0 +1,33 @@
+"""OpenAI's error shape for every failure the ingress answers: {"error": {message, type, param, code}}."""
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from replicas.messages import RequestError
+
+
+def error_response(error: RequestError, retry_after_s: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s and error.status_code in (429, 503) else None
+    return JSONResponse(error.to_body(), status_code=error.status_code, headers=headers)
+
+
+def validation_error(exc: RequestValidationError) -> RequestError:
+    """The first pydantic error, as a 400 naming its field (`messages.0.role`, `temperature`)."""
+    first = exc.errors()[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Union members add their type name to the location (stop.str, stop.list[str]); keep the field path.
+    path = [part for part in loc if not any(ch in part for ch in "[]") and part not in ("str", "int", "list")]
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    param = ".".join(path) or None
+    return RequestError(f"{param}: {message}" if param else message, param=param)
+
+
+def install_error_handlers(app, retry_after_s: int) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError):
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(RequestError)
+    async def _on_request_error(request: Request, exc: RequestError):
+        return error_response(exc, retry_after_s)

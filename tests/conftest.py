@@ -1,0 +1,29 @@
+"""Shared fixtures: the prepared SmolLM2 checkpoint and tiny random-weight models built from it.
+
+Prepared models live in the user cache (TETHER_CACHE_DIR, else ~/.cache/tether),
+so a second test run does not convert the GGUF again.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from replicas.models.prepare import prepare_model
+
+    return prepare_model("default", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(smollm2_dir, tmp_path_factory) -> Path:
+    from tests.tiny_models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)

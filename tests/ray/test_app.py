@@ -1,0 +1,70 @@
+"""The real Serve app: chat over HTTP, and every turn of a conversation on the replica that the pure
+rendezvous function predicts for its route_key."""
+
+import openai
+import pytest
+
+from cache_router.hashing import rendezvous_owner, route_key
+from serve_app.routes import REPLICA_HEADER
+from tests.ray.conftest import MODEL
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def conversations_covering(replica_ids: list[str], per_replica: int = 2) -> list[str]:
+    """First user messages whose predicted owners cover every replica, `per_replica` each."""
+    chosen: dict[str, list[str]] = {rid: [] for rid in replica_ids}
+    i = 0
+    while any(len(v) < per_replica for v in chosen.values()):
+        text = f"conversation {i}: tell me about the number {i}"
+        key = route_key("", MODEL, messages=[SYSTEM, {"role": "user", "content": text}])
+        owner = rendezvous_owner(key, replica_ids)
+        if len(chosen[owner]) < per_replica:
+            chosen[owner].append(text)
+        i += 1
+    return [text for texts in chosen.values() for text in texts]
+
+
+def test_chat_over_http_streamed_and_not(serve_app):
+    c = client(serve_app)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    streamed = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                         stream=True)
+    text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
+    assert plain.usage.completion_tokens == 8 and text == plain.choices[0].message.content
+
+
+def test_turns_land_on_the_predicted_replica(serve_app, replica_ids):
+    assert len(replica_ids) == 2
+    c = client(serve_app)
+    served_by = set()
+    for first in conversations_covering(replica_ids):
+        messages = [SYSTEM, {"role": "user", "content": first}]
+        predicted = rendezvous_owner(route_key("", MODEL, messages=messages), replica_ids)
+        for turn in range(3):
+            raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=6,
+                                                              temperature=0)
+            assert raw.headers[REPLICA_HEADER] == predicted, f"turn {turn} of {first!r}"
+            served_by.add(raw.headers[REPLICA_HEADER])
+            reply = raw.parse().choices[0].message.content
+            messages = messages + [{"role": "assistant", "content": reply},
+                                   {"role": "user", "content": f"and turn {turn + 2}?"}]
+    assert served_by == set(replica_ids)  # both replicas served traffic
+
+
+def test_bad_request_is_a_400_through_serve(serve_app):
+    c = client(serve_app)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=-1)
+    assert err.value.body["param"] == "temperature"
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(pytest.main([__file__, "-q"]))
