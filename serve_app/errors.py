@@ -15,6 +15,8 @@ def error_response(error: RequestError, retry_after_s: int | None = None) -> JSO
 def validation_error(exc: RequestValidationError) -> RequestError:
     """The first pydantic error, as a 400 naming its field (`messages.0.role`, `temperature`)."""
     first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return RequestError(f"the body is not valid JSON: {first.get('msg', '')}")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # Union members add their type name to the location (stop.str, stop.list[str]); keep the field path.
     path = [part for part in loc if not any(ch in part for ch in "[]") and part not in ("str", "int", "list")]

@@ -2,8 +2,8 @@
 ingress turns the failure into a 400 in OpenAI's error shape naming the field.
 
 Fields OpenAI defines that Tether does not honour yet are refused with a 400
-when set to a non-default value (never silently ignored); unknown extra fields
-are ignored, as OpenAI does.
+when set (never silently ignored). Other unknown fields are ignored, as vLLM
+does. An explicit `null` means the field's default, as OpenAI treats it.
 """
 
 from typing import Any, Literal
@@ -28,10 +28,28 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None
 
 
+# OpenAI fields not honoured yet: a request that sets one is refused, naming it.
+NOT_YET_SUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
+                     "top_logprobs", "best_of", "min_p", "repetition_penalty", "min_tokens", "prediction",
+                     "audio", "modalities")
+
+
+def _is_unset(value) -> bool:
+    return value is None or value == {} or value == []
+
+
 class SamplingFields(BaseModel):
     """What chat and completions share: sampling, limits, streaming, identity."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -48,6 +66,27 @@ class SamplingFields(BaseModel):
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    top_logprobs: Any = None
+    best_of: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: Any = None
+
+    @field_validator(*NOT_YET_SUPPORTED)
+    @classmethod
+    def _not_supported_yet(cls, value, info):
+        if not _is_unset(value):
+            raise ValueError(f"{info.field_name} is not supported yet")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -118,6 +157,6 @@ class CompletionRequest(SamplingFields):
     @field_validator("echo", "suffix", "logprobs")
     @classmethod
     def _not_yet_supported(cls, value, info):
-        if value not in (False, None):
+        if value is not None and value is not False:
             raise ValueError(f"{info.field_name} is not supported yet")
         return value

@@ -9,7 +9,7 @@ import json
 import uuid
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cache_router.hashing import route_key
@@ -35,28 +35,49 @@ class OpenAIServer:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_in_flight = 0
+        self._asked_replicas = False
 
     @classmethod
     def from_config(cls, config: AppConfig, backend) -> "OpenAIServer":
         """Prepares (or finds) the model on this node and reads what the ingress checks before dispatch."""
         model_dir = str(prepare_model(config.model, progress=False))
-        engine = config.engine_config(model_dir)
+        engine = config.engine
         # The replicas cap this further by their KV pool and re-check; this is the early, cheap check.
         model_len = engine.context_len(read_max_position_embeddings(model_dir))
         return cls(config, Renderer(model_dir), backend, max_model_len=model_len, block_size=engine.block_size)
 
     # -- steps 1-3: who asks, what they asked for, where it goes ---------------
 
-    def caller(self, http: Request, user: str | None) -> str:
+    def authenticate(self, http: Request) -> str | None:
+        """A FastAPI dependency, so a bad key answers 401 before the body is even validated.
+        Returns the caller's key identity (a digest, never the key), or None without auth."""
         keys = self.config.ingress.api_keys
         if not keys:
-            return f"user:{user}" if user else ""
+            return None
         auth = http.headers.get("authorization", "")
         token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
         if token not in keys:
             raise RequestError("invalid or missing API key", status_code=401, type="authentication_error",
                                code="invalid_api_key")
         return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+
+    @staticmethod
+    def caller(key_identity: str | None, user: str | None) -> str:
+        """Who asks, namespacing per-caller state: the API key, else `user`, else nobody in particular."""
+        if key_identity:
+            return key_identity
+        return f"user:{user}" if user else ""
+
+    async def sync_limits(self) -> None:
+        """Once: take the replicas' context length, which their KV pool may cap below the model's."""
+        if self._asked_replicas:
+            return
+        try:
+            info = await self.backend.model_info()
+        except Exception:  # replicas not up yet: keep the static limit, ask again next time
+            return
+        self.max_model_len = min(self.max_model_len, info["max_model_len"])
+        self._asked_replicas = True
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -76,9 +97,10 @@ class OpenAIServer:
         return GenerateRequest(uuid.uuid4().hex, prompt_token_ids, body.sampling_params(), caller=caller,
                                route_key=key)
 
-    async def chat(self, body: ChatCompletionRequest, http: Request):
-        caller = self.caller(http, body.user)
+    async def chat(self, body: ChatCompletionRequest, key_identity: str | None):
+        caller = self.caller(key_identity, body.user)
         self.check_model(body.model)
+        await self.sync_limits()
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         ids = self.renderer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
         key = route_key(caller, self.model_name, messages=messages, block_size=self.block_size)
@@ -86,9 +108,10 @@ class OpenAIServer:
         fmt = ResponseFormat("chat", f"chatcmpl-{request.request_id}", self.model_name)
         return await self.respond(request, fmt, body.stream, body.include_usage)
 
-    async def completions(self, body: CompletionRequest, http: Request):
-        caller = self.caller(http, body.user)
+    async def completions(self, body: CompletionRequest, key_identity: str | None):
+        caller = self.caller(key_identity, body.user)
         self.check_model(body.model)
+        await self.sync_limits()
         ids = self.renderer.encode_prompt(body.prompt)
         key = route_key(caller, self.model_name, token_ids=ids, block_size=self.block_size,
                         num_route_blocks=self.config.router.num_route_blocks)
@@ -110,7 +133,10 @@ class OpenAIServer:
         except BaseException as exc:
             self.num_in_flight -= 1
             await deltas.aclose()
-            raise as_request_error(exc) or exc
+            error = as_request_error(exc)
+            if error is not None and error.param == "prompt":
+                error.param = fmt.prompt_param  # the replica speaks of "prompt"; chat's field is "messages"
+            raise error or exc
         headers = {REPLICA_HEADER: first.replica_id} if ingress.expose_replica_header else {}
         if stream:
             return StreamingResponse(self.sse(fmt, first, deltas, include_usage), media_type="text/event-stream",
@@ -127,7 +153,7 @@ class OpenAIServer:
     async def sse(self, fmt: ResponseFormat, first: GenerateDelta, deltas: AsyncIterator[GenerateDelta],
                   include_usage: bool) -> AsyncIterator[str]:
         def event(payload: dict) -> str:
-            if include_usage and "usage" not in payload:
+            if include_usage and "usage" not in payload and "error" not in payload:
                 payload["usage"] = None
             return f"data: {json.dumps(payload)}\n\n"
 
@@ -164,16 +190,16 @@ def make_api(server: OpenAIServer) -> FastAPI:
     install_error_handlers(app, server.config.ingress.retry_after_s)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, http: Request):
-        return await server.chat(body, http)
+    async def chat(body: ChatCompletionRequest, key: str | None = Depends(server.authenticate)):
+        return await server.chat(body, key)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: Request):
-        return await server.completions(body, http)
+    async def completions(body: CompletionRequest, key: str | None = Depends(server.authenticate)):
+        return await server.completions(body, key)
 
-    @app.get("/v1/models")
-    async def models(http: Request):
-        server.caller(http, None)
+    @app.get("/v1/models", dependencies=[Depends(server.authenticate)])
+    async def models():
+        await server.sync_limits()
         return server.models()
 
     @app.get("/health")

@@ -76,7 +76,7 @@ class Engine:
             raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if num_prompt >= self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; "
-                               f"the prompt has {num_prompt}.", param="messages", code="context_length_exceeded")
+                               f"the prompt has {num_prompt}.", param="prompt", code="context_length_exceeded")
         room = self.max_model_len - num_prompt
         max_tokens = request.sampling.max_tokens
         if max_tokens is not None and max_tokens > room:

@@ -71,7 +71,7 @@ def test_impossible_requests_are_refused(make_engine):
     engine = make_engine(max_model_len=64)
     with pytest.raises(RequestError) as err:
         engine.add_request(greedy("a", prompts([64])[0]))
-    assert err.value.param == "messages" and err.value.status_code == 400
+    assert err.value.param == "prompt" and err.value.status_code == 400
     with pytest.raises(RequestError) as err:
         engine.add_request(greedy("b", prompts([40])[0], max_tokens=30))
     assert err.value.param == "max_tokens"

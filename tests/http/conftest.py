@@ -57,7 +57,7 @@ class RunningServer:
 @pytest.fixture(scope="package")
 def replica(tiny_llama_dir):
     config = AppConfig(model=str(tiny_llama_dir), dtype="float32")
-    replica = ModelReplica(config.engine_config(str(tiny_llama_dir)).model_dump())
+    replica = ModelReplica(config.engine.model_dump())
     yield replica
     replica.engine.shutdown()
 

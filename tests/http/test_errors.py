@@ -49,6 +49,20 @@ def test_api_keys(start_server):
         assert error_of(bad, 401)["type"] == "authentication_error"
         ok = c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer sk-good"})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        # The key is checked before the body: no field details for a caller without a key.
+        assert error_of(c.post("/v1/chat/completions", json={**CHAT, "temperature": -1}), 401)
+        assert error_of(c.get("/v1/models"), 401)["code"] == "invalid_api_key"
+
+
+def test_null_means_default_and_unsupported_fields_are_refused(raw):
+    ok = raw.post("/v1/chat/completions", json={**CHAT, "n": None, "stream": None, "temperature": None})
+    assert ok.status_code == 200
+    for field, value in [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                         ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5})]:
+        error = error_of(raw.post("/v1/chat/completions", json={**CHAT, field: value}), 400)
+        assert error["param"] == field and "not supported" in error["message"]
+    bad_json = raw.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert error_of(bad_json, 400)["param"] is None
 
 
 def test_full_ingress_answers_429_with_retry_after(start_server):

@@ -71,9 +71,11 @@ def test_stop_string_ends_the_text(client):
     assert cut.choices[0].text == text[:text.find(stop)]
 
 
-def test_models_health_version(raw):
+def test_models_health_version(raw, http):
     models = raw.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    # The context advertised is the replicas' (their KV pool may cap the model's).
+    assert models["data"][0]["max_model_len"] == http.replica.model_info()["max_model_len"]
     assert raw.get("/health").json() == {"status": "ok"}
     assert "version" in raw.get("/version").json()
 

@@ -50,8 +50,24 @@ def naive_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q_g = q[g.query_index].transpose(1, 2)  # [B, H, Q, D]
         k_g = k_flat[g.key_slots].transpose(1, 2)  # [B, Hkv, L, D]
         v_g = v_flat[g.key_slots].transpose(1, 2)
-        o_g = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=g.mask, scale=scale,
-                                             enable_gqa=q_g.shape[1] != k_g.shape[1])
+        if q_g.shape[2] == 1:
+            o_g = _decode_attention(q_g, k_g, v_g, g.mask, scale)
+        else:
+            o_g = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=g.mask, scale=scale,
+                                                 enable_gqa=q_g.shape[1] != k_g.shape[1])
         o_g = o_g.transpose(1, 2)  # [B, Q, H, D]
         out[g.query_index[g.query_valid]] = o_g[g.query_valid]
     return out
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """One query per sequence, as two batched matmuls: on CPU several times faster than SDPA in bf16.
+    q: [B, H, 1, D]; k, v: [B, Hkv, L, D]; mask: [B, 1, 1, L] -> [B, H, 1, D]"""
+    batch, num_heads, _, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # query heads grouped by KV head
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(batch, num_heads, 1, head_dim)
