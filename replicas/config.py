@@ -25,6 +25,10 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available.")
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
     kv_cache_bytes: int = Field(256 * MiB, ge=1 * MiB, description="Byte budget of the paged KV block pool.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of full blocks whose token ids match exactly.")
+    retain_token_ids: bool = Field(True, description="Keep each finished chat turn's exact ids for the next turn "
+                                                     "(requests may opt out; off here turns it off for all).")
+    max_retained_tokens: int = Field(1 << 20, ge=0, description="Token ids kept for retained conversations (LRU).")
     num_kv_blocks: int | None = Field(None, ge=1, description="Overrides the pool size in blocks (tests, tuning).")
     max_num_seqs: int = Field(16, ge=1, le=1024, description="Sequences in one running batch (the replica's capacity).")
     max_num_batched_tokens: int = Field(512, ge=16, description="Token budget of one step (decode rows + prefill chunks).")

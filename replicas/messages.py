@@ -39,9 +39,15 @@ class GenerateRequest:
     caller: str = ""
     # Routing hint: the conversation's key (cache_router.hashing.route_key).
     route_key: str | None = None
-    # Room for later steps: retained conversations and recurrent checkpoints.
+    # Retained conversations (chat only): prompt_token_ids is the whole render; when the replica holds
+    # ids for `history_key`, the prompt becomes those ids + prompt_token_ids[new_turn_span[0]:new_turn_span[1]].
     history_key: str | None = None
     new_turn_span: tuple[int, int] | None = None
+    # Key of this request's messages; the finished turn is stored under it extended by the reply.
+    conversation_key: str | None = None
+    turn_terminator_ids: list[int] = field(default_factory=list)  # what the template writes after a reply
+    retention: str = "off"  # the ingress's verdict: "off", "first turn", "span", "fallback: <why>"
+    # Recurrent checkpoints (a later step).
     checkpoint_positions: list[int] = field(default_factory=list)
 
 
@@ -54,6 +60,9 @@ class GenerateDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
+    num_retained_tokens: int = 0  # prompt tokens that came from a retained conversation
+    retention: str = "off"  # which path the prompt took: "retained", "miss", "first turn", "off", "fallback: ..."
+    prompt_token_ids: list[int] | None = None  # the ids the model saw; on the first delta only
     replica_id: str = ""
 
 

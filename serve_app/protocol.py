@@ -64,6 +64,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    return_token_ids: bool = False  # extension (vLLM): prompt_token_ids and each choice's token_ids
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     tools: Any = None
@@ -122,6 +123,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
+    # Extension: keep this turn's exact ids for the next turn (None: the deployment's default, on).
+    retain_token_ids: bool | None = None
 
     @field_validator("logprobs")
     @classmethod
@@ -160,3 +163,29 @@ class CompletionRequest(SamplingFields):
         if value is not None and value is not False:
             raise ValueError(f"{info.field_name} is not supported yet")
         return value
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: `prompt` (text or ids) or `messages` (rendered through the chat template)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

@@ -1,29 +1,118 @@
-"""Renderer: the one place a request becomes token ids, through the model's own tokenizer and chat template."""
+"""Renderer: the one place a request becomes token ids, through the model's own tokenizer and chat template.
 
+For a chat turn it also finds what retention needs (replicas/engine/retention.py):
+
+    history  = messages up to and including the last assistant message
+    (a)      = render(history), no generation prompt
+    (b)      = render(messages), with the generation prompt       <- the prompt when nothing is retained
+    new turn = the exact ids (b) holds for the messages after the history:
+               (b) minus (a) when (b) starts with (a); otherwise (the template rewrote an earlier
+               turn, e.g. dropped its reasoning) the boundary is found with a sentinel in place of
+               the last history message's content, exactly, or the turn falls back to (b).
+"""
+
+from dataclasses import dataclass
+
+from cache_router.hashing import history_key
 from replicas.messages import RequestError
 from replicas.tokenizer import load_tokenizer
+
+SENTINEL = "\u2063tether\u2063sentinel\u2063"
+
+
+@dataclass(slots=True)
+class ChatRender:
+    prompt_token_ids: list[int]  # (b)
+    history_key: str | None = None
+    new_turn_span: tuple[int, int] | None = None
+    conversation_key: str | None = None
+    retention: str = "off"
 
 
 class Renderer:
     def __init__(self, model_dir: str):
         self.tokenizer = load_tokenizer(model_dir)
-        if not getattr(self.tokenizer, "chat_template", None):
-            self.tokenizer.chat_template = None  # chat requests will answer 400
+        self._terminator: tuple[str, list[int]] | None = None
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict | None = None) -> list[int]:
-        if not self.tokenizer.chat_template:
+    def render_text(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use /v1/completions", param="messages")
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}))
         except Exception as exc:  # the template's own checks (roles, alternation) raise here
             raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
-        # The template wrote the special tokens already: encode without adding more.
+
+    def encode(self, text: str) -> list[int]:
+        # Rendered text holds its special tokens already: add none.
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+        return self.encode(self.render_text(messages, add_generation_prompt, chat_template_kwargs))
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return list(prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def turn_terminator(self) -> tuple[str, list[int]]:
+        """What the template writes after an assistant reply's content (SmolLM2: '<|im_end|>\\n')."""
+        if self._terminator is None:
+            text = self.render_text([{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}],
+                                    add_generation_prompt=False)
+            after = text[text.index(SENTINEL) + len(SENTINEL):]
+            self._terminator = (after, self.encode(after))
+        return self._terminator
+
+    def render_turn(self, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None,
+                    caller: str, model: str, retain: bool) -> ChatRender:
+        b_text = self.render_text(messages, add_generation_prompt, chat_template_kwargs)
+        render = ChatRender(self.encode(b_text))
+        if not retain:
+            return render
+        options = {"add_generation_prompt": add_generation_prompt, "chat_template_kwargs": chat_template_kwargs}
+        render.conversation_key = history_key(caller, model, options, messages)
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        if last is None:
+            render.retention = "first turn"
+            return render
+        if last == len(messages) - 1:
+            render.retention = "fallback: the conversation ends with an assistant message"
+            return render
+        history = messages[:last + 1]
+        start, reason = self._new_turn_start(history, messages, b_text, render.prompt_token_ids,
+                                             add_generation_prompt, chat_template_kwargs)
+        if start is None:
+            render.retention = f"fallback: {reason}"
+            return render
+        render.history_key = history_key(caller, model, options, history)
+        render.new_turn_span = (start, len(render.prompt_token_ids))
+        render.retention = "span"
+        return render
+
+    def _new_turn_start(self, history, messages, b_text, b_ids, add_generation_prompt, kwargs):
+        """Index in (b)'s ids where the new messages start, or (None, why not)."""
+        a_ids = self.encode(self.render_text(history, False, kwargs))
+        if b_ids[:len(a_ids)] == a_ids:
+            return len(a_ids), None
+        # The template rewrote the history: render once more with a sentinel as the last history
+        # message's content; everything after its terminator is the new messages, as (b) renders them.
+        marked = [dict(m) for m in messages]
+        marked[len(history) - 1]["content"] = SENTINEL
+        e_text = self.render_text(marked, add_generation_prompt, kwargs)
+        terminator, _ = self.turn_terminator()
+        end = e_text.find(SENTINEL) + len(SENTINEL)
+        if e_text[end:end + len(terminator)] != terminator:
+            return None, "the template writes no known terminator after the last assistant message"
+        new_text = e_text[end + len(terminator):]
+        if not b_text.endswith(new_text):
+            return None, "the new messages render differently after the history"
+        boundary = len(b_text) - len(new_text)
+        encoding = self.tokenizer(b_text, add_special_tokens=False, return_offsets_mapping=True)
+        starts = [offset[0] for offset in encoding["offset_mapping"]]
+        if encoding["input_ids"] != b_ids or boundary not in starts:
+            return None, "no token boundary where the new messages start"
+        return starts.index(boundary), None

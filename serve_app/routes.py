@@ -5,24 +5,23 @@ routes run inside the Serve ingress and, over a LocalBackend, in plain uvicorn.
 """
 
 import hashlib
-import json
 import uuid
-from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from cache_router.hashing import route_key
 from replicas.config import read_max_position_embeddings
-from replicas.messages import GenerateDelta, GenerateRequest, RequestError, as_request_error
+from replicas.messages import GenerateRequest, RequestError, as_request_error
 from replicas.models.prepare import prepare_model
 from serve_app.config import AppConfig
+from serve_app.dispatch import REPLICA_HEADER, Dispatcher
 from serve_app.errors import error_response, install_error_handlers
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from serve_app.render import Renderer
+from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
+                                TokenizeRequest)
+from serve_app.render import ChatRender, Renderer
 from serve_app.responses import ResponseFormat
 
-REPLICA_HEADER = "x-tether-replica"
+__all__ = ["OpenAIServer", "make_api", "REPLICA_HEADER", "VERSION"]
 VERSION = "0.1.0"
 
 
@@ -31,10 +30,10 @@ class OpenAIServer:
         self.config = config
         self.renderer = renderer
         self.backend = backend
+        self.dispatcher = Dispatcher(backend, config.ingress)
         self.model_name = config.model_name()
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.num_in_flight = 0
         self._asked_replicas = False
 
     @classmethod
@@ -63,7 +62,7 @@ class OpenAIServer:
 
     @staticmethod
     def caller(key_identity: str | None, user: str | None) -> str:
-        """Who asks, namespacing per-caller state: the API key, else `user`, else nobody in particular."""
+        """Who asks, namespacing per-caller state: the API key, else `user`, else the deployment ("")."""
         if key_identity:
             return key_identity
         return f"user:{user}" if user else ""
@@ -79,8 +78,8 @@ class OpenAIServer:
         self.max_model_len = min(self.max_model_len, info["max_model_len"])
         self._asked_replicas = True
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
             raise RequestError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                                status_code=404, param="model", code="model_not_found")
 
@@ -97,16 +96,31 @@ class OpenAIServer:
         return GenerateRequest(uuid.uuid4().hex, prompt_token_ids, body.sampling_params(), caller=caller,
                                route_key=key)
 
+    def retains(self, body: ChatCompletionRequest) -> bool:
+        """Retention is on by default; the deployment's switch wins over the request's."""
+        return self.config.engine.retain_token_ids and body.retain_token_ids is not False
+
     async def chat(self, body: ChatCompletionRequest, key_identity: str | None):
         caller = self.caller(key_identity, body.user)
         self.check_model(body.model)
         await self.sync_limits()
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        ids = self.renderer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
+        render = self.renderer.render_turn(messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                           caller, self.model_name, self.retains(body))
         key = route_key(caller, self.model_name, messages=messages, block_size=self.block_size)
-        request = self.generate_request(body, ids, caller, key, "messages")
-        fmt = ResponseFormat("chat", f"chatcmpl-{request.request_id}", self.model_name)
-        return await self.respond(request, fmt, body.stream, body.include_usage)
+        request = self.generate_request(body, render.prompt_token_ids, caller, key, "messages")
+        self._attach_retention(request, render)
+        fmt = ResponseFormat("chat", f"chatcmpl-{request.request_id}", self.model_name, body.include_usage,
+                             body.return_token_ids)
+        return await self.dispatcher.respond(request, fmt, body.stream)
+
+    def _attach_retention(self, request: GenerateRequest, render: ChatRender) -> None:
+        request.history_key = render.history_key
+        request.new_turn_span = render.new_turn_span
+        request.conversation_key = render.conversation_key
+        request.retention = render.retention
+        if render.conversation_key is not None:
+            request.turn_terminator_ids = self.renderer.turn_terminator()[1]
 
     async def completions(self, body: CompletionRequest, key_identity: str | None):
         caller = self.caller(key_identity, body.user)
@@ -116,69 +130,30 @@ class OpenAIServer:
         key = route_key(caller, self.model_name, token_ids=ids, block_size=self.block_size,
                         num_route_blocks=self.config.router.num_route_blocks)
         request = self.generate_request(body, ids, caller, key, "prompt")
-        fmt = ResponseFormat("completion", f"cmpl-{request.request_id}", self.model_name)
-        return await self.respond(request, fmt, body.stream, body.include_usage)
-
-    # -- steps 4 and the last: dispatch, format --------------------------------
-
-    async def respond(self, request: GenerateRequest, fmt: ResponseFormat, stream: bool, include_usage: bool):
-        ingress = self.config.ingress
-        if self.num_in_flight >= ingress.max_queued_requests:
-            raise RequestError("too many requests in flight; retry shortly", status_code=429,
-                               type="rate_limit_exceeded")
-        self.num_in_flight += 1
-        deltas = self.backend.stream(request)
-        try:
-            first = await anext(deltas)  # errors before the first token become HTTP errors
-        except BaseException as exc:
-            self.num_in_flight -= 1
-            await deltas.aclose()
-            error = as_request_error(exc)
-            if error is not None and error.param == "prompt":
-                error.param = fmt.prompt_param  # the replica speaks of "prompt"; chat's field is "messages"
-            raise error or exc
-        headers = {REPLICA_HEADER: first.replica_id} if ingress.expose_replica_header else {}
-        if stream:
-            return StreamingResponse(self.sse(fmt, first, deltas, include_usage), media_type="text/event-stream",
-                                     headers=headers)
-        try:
-            text, last = first.text, first
-            async for delta in deltas:
-                text, last = text + delta.text, delta
-        finally:
-            self.num_in_flight -= 1
-            await deltas.aclose()
-        return JSONResponse(fmt.body(text, last), headers=headers)
-
-    async def sse(self, fmt: ResponseFormat, first: GenerateDelta, deltas: AsyncIterator[GenerateDelta],
-                  include_usage: bool) -> AsyncIterator[str]:
-        def event(payload: dict) -> str:
-            if include_usage and "usage" not in payload and "error" not in payload:
-                payload["usage"] = None
-            return f"data: {json.dumps(payload)}\n\n"
-
-        try:
-            last = first
-            if fmt.kind == "chat":
-                yield event(fmt.chunk("", None, first=True))
-            if first.text or first.finish_reason:
-                yield event(fmt.chunk(first.text, first.finish_reason))
-            async for delta in deltas:
-                last = delta
-                if delta.text or delta.finish_reason:
-                    yield event(fmt.chunk(delta.text, delta.finish_reason))
-            if include_usage:
-                yield event(fmt.usage_chunk(last))
-        except Exception as exc:
-            error = as_request_error(exc) or RequestError(f"generation failed: {exc}", status_code=500,
-                                                          type="internal_error")
-            yield event(error.to_body())
-        finally:
-            self.num_in_flight -= 1
-            await deltas.aclose()
-        yield "data: [DONE]\n\n"
+        fmt = ResponseFormat("completion", f"cmpl-{request.request_id}", self.model_name, body.include_usage,
+                             body.return_token_ids)
+        return await self.dispatcher.respond(request, fmt, body.stream)
 
     # -- token ids without generation ------------------------------------------
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        """With `messages`, the ids a chat generation's prompt would have with retention off."""
+        self.check_model(body.model)
+        if body.messages is not None:
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            ids = self.renderer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
+        elif isinstance(body.prompt, list):
+            ids = list(body.prompt)
+        else:
+            ids = self.renderer.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.check_model(body.model)
+        vocab = len(self.renderer.tokenizer)
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise RequestError(f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": self.renderer.tokenizer.decode(body.tokens)}
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
@@ -188,16 +163,21 @@ class OpenAIServer:
 def make_api(server: OpenAIServer) -> FastAPI:
     app = FastAPI(title="Tether", version=VERSION)
     install_error_handlers(app, server.config.ingress.retry_after_s)
+    auth = Depends(server.authenticate)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, key: str | None = Depends(server.authenticate)):
+    async def chat(body: ChatCompletionRequest, key: str | None = auth):
         return await server.chat(body, key)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, key: str | None = Depends(server.authenticate)):
+    async def completions(body: CompletionRequest, key: str | None = auth):
         return await server.completions(body, key)
 
-    @app.get("/v1/models", dependencies=[Depends(server.authenticate)])
+    for prefix in ("", "/v1"):  # vLLM serves these at the root; clients also look under /v1
+        app.add_api_route(f"{prefix}/tokenize", server.tokenize, methods=["POST"], dependencies=[auth])
+        app.add_api_route(f"{prefix}/detokenize", server.detokenize, methods=["POST"], dependencies=[auth])
+
+    @app.get("/v1/models", dependencies=[auth])
     async def models():
         await server.sync_limits()
         return server.models()

@@ -1,9 +1,15 @@
-"""KVCacheManager: gives each request the blocks its tokens need, and takes them back.
+"""KVCacheManager: gives each request the blocks its tokens need, reuses cached prefixes, takes blocks back.
 
     block_table  [b0][b1][b2]         block_size = 4, 10 tokens computed or scheduled
     tokens        0..3 4..7 8 9 _ _   -> ceil(10 / 4) = 3 blocks
+
+Prefix reuse is by exact token ids only: full block i is found by the chained
+hash of blocks 0..i (cache_router.hashing.block_hashes, the router's function).
+A hit never covers the last token: at least one token is computed, so the first
+sampled token always has fresh logits (never an empty prefill).
 """
 
+from cache_router.hashing import block_hashes
 from replicas.cache.block_pool import BlockPool
 from replicas.engine.request import Request
 
@@ -16,6 +22,49 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def update_hashes(self, request: Request) -> None:
+        """Extends request.block_hashes to every full block of its token ids (chained, incremental)."""
+        num_full = request.num_tokens // self.block_size
+        have = len(request.block_hashes)
+        if num_full > have:
+            start = have * self.block_size
+            parent = request.block_hashes[-1] if have else None
+            tokens = request.token_ids[start:num_full * self.block_size]
+            request.block_hashes.extend(block_hashes(tokens, self.block_size, parent))
+
+    def match_prefix(self, request: Request) -> list[int]:
+        """The cached blocks of the request's longest cached prefix, not covering its last token.
+        Does not modify the pool."""
+        if not self.pool.enable_caching:
+            return []
+        self.update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.pool.find(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def admit(self, request: Request, num_new_tokens_budget: int) -> int | None:
+        """Starts a request that holds no blocks: reuses its cached prefix, allocates for up to
+        `num_new_tokens_budget` more tokens. Returns the tokens to compute now, or None (and no change)."""
+        assert not request.block_table and request.num_computed_tokens == 0
+        hit = self.match_prefix(request)
+        num_cached = len(hit) * self.block_size
+        num_new = min(request.num_tokens - num_cached, num_new_tokens_budget)
+        num_needed = self.num_blocks_for(num_cached + num_new) - len(hit)
+        # Touching a free cached block takes it out of the free queue, so count those too.
+        num_free_hits = sum(1 for b in hit if self.pool.ref_counts[b] == 0)
+        if num_needed > self.pool.num_free_blocks - num_free_hits:
+            return None
+        self.pool.touch(hit)
+        request.block_table = hit + self.pool.allocate(num_needed)
+        request.num_computed_tokens = num_cached
+        request.num_registered_blocks = len(hit)
+        return num_new
+
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` after the computed ones; False (and no change) if the pool is short."""
         num_needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
@@ -26,7 +75,18 @@ class KVCacheManager:
         request.block_table.extend(self.pool.allocate(num_needed))
         return True
 
+    def cache_full_blocks(self, request: Request) -> None:
+        """After a step: register the hashes of blocks that are now full of computed KV."""
+        if not self.pool.enable_caching:
+            return
+        self.update_hashes(request)
+        num_full = request.num_computed_tokens // self.block_size
+        for i in range(request.num_registered_blocks, num_full):
+            self.pool.set_hash(request.block_table[i], request.block_hashes[i])
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+
     def free(self, request: Request) -> None:
-        # Tail first, so the head of a sequence is the last to be reused.
+        # Tail first: the tail of a sequence is evicted before its head, which others share more often.
         self.pool.free(request.block_table[::-1])
         request.block_table = []
+        request.num_registered_blocks = 0

@@ -19,6 +19,7 @@ from replicas.device import resolve_device, resolve_dtype
 from replicas.engine.detokenizer import IncrementalDetokenizer
 from replicas.engine.model_runner import ModelRunner
 from replicas.engine.request import Request, RequestStatus
+from replicas.engine.retention import Retention
 from replicas.engine.scheduler import Scheduler
 from replicas.messages import GenerateDelta, GenerateRequest, RequestError
 from replicas.models.loader import load_model
@@ -28,7 +29,7 @@ from replicas.tokenizer import eos_token_ids, load_tokenizer
 @dataclass
 class EngineStats:
     num_prompt_tokens_computed: int = 0  # prompt tokens run through the model (recomputation included)
-    num_prompt_tokens_cached: int = 0  # prompt tokens served from the prefix cache
+    num_prompt_tokens_cached: int = 0  # prompt tokens served from the prefix cache (every admission)
     num_generated_tokens: int = 0
     num_steps: int = 0
 
@@ -42,7 +43,7 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         kv_caches, num_blocks = self._allocate_kv_caches()
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(KVCacheManager(self.block_pool, config.block_size),
                                    config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device)
@@ -51,6 +52,8 @@ class Engine:
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.origins: dict[str, GenerateRequest] = {}  # what the ingress sent, for retention at the end
+        self.retention = Retention(config.retain_token_ids, config.max_retained_tokens)
         self.stats = EngineStats()
 
     def _allocate_kv_caches(self):
@@ -66,13 +69,14 @@ class Engine:
 
     # -- requests ---------------------------------------------------------
 
-    def check_request(self, request: GenerateRequest) -> int:
+    def check_request(self, request: GenerateRequest, prompt_token_ids: list[int] | None = None) -> int:
         """Raises RequestError if the request can never run here; returns its resolved max_tokens."""
-        num_prompt = len(request.prompt_token_ids)
+        prompt_token_ids = request.prompt_token_ids if prompt_token_ids is None else prompt_token_ids
+        num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise RequestError("the prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if num_prompt >= self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; "
@@ -88,10 +92,12 @@ class Engine:
     def add_request(self, request: GenerateRequest) -> None:
         if request.request_id in self.requests:
             raise RequestError(f"request id {request.request_id!r} is already running", param="request_id")
-        max_tokens = self.check_request(request)
-        req = Request(request.request_id, list(request.prompt_token_ids), request.sampling,
-                      max_tokens, self.eos_token_ids)
+        prompt, num_retained, retention = self.retention.resolve(request, self.max_model_len)
+        max_tokens = self.check_request(request, prompt)
+        req = Request(request.request_id, prompt, request.sampling, max_tokens, self.eos_token_ids,
+                      num_retained_tokens=num_retained, retention=retention)
         self.requests[req.request_id] = req
+        self.origins[req.request_id] = request
         self.detokenizers[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, stop=list(request.sampling.stop))
         self.scheduler.add(req)
@@ -99,6 +105,7 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         self.detokenizers.pop(request_id, None)
+        self.origins.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
@@ -114,6 +121,7 @@ class Engine:
         for item in scheduled:
             num_prompt_left = item.request.num_prompt_tokens - item.request.num_computed_tokens
             self.stats.num_prompt_tokens_computed += max(0, min(item.num_tokens, num_prompt_left))
+        self.stats.num_prompt_tokens_cached = self.scheduler.num_prompt_tokens_cached
         token_ids = self.runner.run(scheduled)
         updated = self.scheduler.postprocess(scheduled, token_ids)
         self.stats.num_steps += 1
@@ -129,8 +137,12 @@ class Engine:
         finished = req.status.is_finished
         delta = GenerateDelta(req.request_id, [token_id], detok.take_delta(finished),
                               req.status.finish_reason if finished else None,
-                              req.num_prompt_tokens, req.num_cached_tokens, req.num_output_tokens)
+                              req.num_prompt_tokens, req.num_cached_tokens or 0, req.num_output_tokens,
+                              req.num_retained_tokens, req.retention)
+        if req.num_output_tokens == 1:
+            delta.prompt_token_ids = list(req.prompt_token_ids)
         if finished:
             del self.requests[req.request_id]
             del self.detokenizers[req.request_id]
+            self.retention.record(self.origins.pop(req.request_id), req.token_ids, detok.text)
         return delta

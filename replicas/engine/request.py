@@ -40,8 +40,12 @@ class Request:
     eos_token_ids: frozenset[int]
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (0 until prefix reuse lands)
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache, set at first admission
+    num_retained_tokens: int = 0  # prompt tokens that came from a retained conversation
+    retention: str = "off"  # which path the prompt took (replicas/engine/retention.py)
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks of token_ids
+    num_registered_blocks: int = 0  # leading blocks whose hashes are registered in the pool
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
 

@@ -36,6 +36,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens_cached = 0  # prompt tokens served from the prefix cache, every admission
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -61,18 +62,25 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(request, num_tokens))
                 budget -= num_tokens
                 i += 1
-        # waiting
+        # waiting: a new (or preempted) request holds no blocks; admission reuses its cached prefix
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_manager.allocate_slots(request, num_tokens):
+            num_tokens = self.kv_manager.admit(request, budget)
+            if num_tokens is None:
                 break
+            self._count_cached(request)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
         return scheduled
+
+    def _count_cached(self, request: Request) -> None:
+        num_cached_prompt = min(request.num_computed_tokens, request.num_prompt_tokens)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached_prompt
+        self.num_prompt_tokens_cached += num_cached_prompt
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -91,6 +99,7 @@ class Scheduler:
             request = item.request
             samples = item.samples
             request.num_computed_tokens += item.num_tokens
+            self.kv_manager.cache_full_blocks(request)
             if not samples:
                 continue
             token_id = next(sampled)

@@ -13,8 +13,9 @@ def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=16):
     return Scheduler(KVCacheManager(BlockPool(num_blocks), block_size), max_num_seqs, budget)
 
 
-def req(rid: str, n: int, max_tokens: int = 4) -> Request:
-    return Request(rid, list(range(1, n + 1)), SamplingParams(temperature=0.0), max_tokens, frozenset({0}))
+def req(rid: str, n: int, max_tokens: int = 4, first: int | None = None) -> Request:
+    first = 1 + 1000 * (ord(rid[0]) - ord("a")) if first is None else first  # distinct prompts: no prefix hits
+    return Request(rid, list(range(first, first + n)), SamplingParams(temperature=0.0), max_tokens, frozenset({0}))
 
 
 def plan(scheduled):
@@ -57,10 +58,25 @@ def test_stop_token_finishes_and_preemption_takes_the_newest():
     assert s.num_preemptions == 1 and b.status == RequestStatus.WAITING and b.num_computed_tokens == 0
     s.postprocess(step, [0])  # EOS
     assert a.status == RequestStatus.FINISHED_STOPPED
-    assert plan(s.schedule()) == [("b", 8, True)]  # recomputed with its sampled token
+    # Recomputed with its sampled token; its first block (full, tail-first freed) is still cached.
+    assert plan(s.schedule()) == [("b", 4, True)]
+    assert b.num_computed_tokens == 4
 
 
 if __name__ == "__main__":
     import sys
 
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_admission_reuses_a_cached_prefix_but_never_the_last_token():
+    s = make(budget=64)
+    a = req("a", 10, max_tokens=1, first=1)
+    s.add(a)
+    s.postprocess(s.schedule(), [7])  # a finishes; its 2 full blocks stay cached
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    b, c = req("b", 12, first=1), req("c", 8, first=1)  # b shares 2 blocks + 2 tokens; c is exactly 2 blocks
+    s.add(b), s.add(c)
+    assert plan(s.schedule()) == [("b", 4, True), ("c", 4, True)]
+    assert (b.num_cached_tokens, c.num_cached_tokens) == (8, 4)  # c recomputes its last block
+    assert b.block_table[:2] == c.block_table[:1] + [b.block_table[1]] and b.block_table[0] == c.block_table[0]

@@ -1,0 +1,55 @@
+"""Retention: a chat turn's prompt built from the ids the replica kept, and the finished turn kept in turn.
+
+    turn k   prompt P_k (rendered or retained)  ->  reply C_k  ->  keep P_k + C_k + terminator
+             under history_key(messages_k + [assistant: text of C_k])
+    turn k+1 the ingress sends the whole render B, the span of the new messages in B, and
+             history_key(messages up to the last assistant) -> prompt = kept ids + B[span]
+
+Never silently degraded: a miss, an opt-out or a prompt that no longer fits falls
+back to the whole render B and says which path it took.
+"""
+
+from cache_router.hashing import canonical_message, extend_history_key
+from replicas.cache.retained import RetainedStore
+from replicas.messages import GenerateRequest
+
+
+class Retention:
+    def __init__(self, enabled: bool, max_tokens: int):
+        self.enabled = enabled
+        self.store = RetainedStore(max_tokens)
+
+    def resolve(self, request: GenerateRequest, max_model_len: int) -> tuple[list[int], int, str]:
+        """-> (prompt ids, how many came from a retained conversation, the path taken)."""
+        ids = list(request.prompt_token_ids)
+        if not self.enabled or request.retention == "off":
+            return ids, 0, "off"
+        if request.history_key is None or request.new_turn_span is None:
+            return ids, 0, request.retention  # first turn, or the ingress's fallback reason
+        kept = self.store.get(request.history_key, request.caller)
+        if kept is None:
+            return ids, 0, "miss"
+        start, end = request.new_turn_span
+        spliced = kept + ids[start:end]
+        if len(spliced) >= max_model_len:
+            return ids, 0, "fallback: the retained conversation no longer fits the context"
+        return spliced, len(kept), "retained"
+
+    def record(self, request: GenerateRequest, token_ids: list[int], reply_text: str) -> None:
+        """Keeps a finished turn's ids (prompt + generated + the rest of the turn terminator)."""
+        if not self.enabled or request.retention == "off" or request.conversation_key is None:
+            return
+        reply = canonical_message({"role": "assistant", "content": reply_text})
+        key = extend_history_key(request.conversation_key, reply)
+        self.store.put(key, request.caller, token_ids + rest_of_terminator(token_ids, request.turn_terminator_ids))
+
+
+def rest_of_terminator(token_ids: list[int], terminator: list[int]) -> list[int]:
+    """The part of the template's turn terminator the ids do not already end with (no doubled EOS).
+
+    [.., 'Paris', '.', EOS] with terminator [EOS, '\\n'] -> ['\\n'];  [.., 'Paris'] -> [EOS, '\\n']
+    """
+    for overlap in range(min(len(terminator), len(token_ids)), 0, -1):
+        if token_ids[-overlap:] == terminator[:overlap]:
+            return terminator[overlap:]
+    return list(terminator)
