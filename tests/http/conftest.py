@@ -4,71 +4,44 @@ The routes are the production ones (`make_api`); the only difference from a Serv
 deployment is the backend: one in-process ModelReplica instead of a Ray handle.
 """
 
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from replicas.deployment import ModelReplica
-from serve_app.backend import LocalBackend
 from serve_app.config import AppConfig
-from serve_app.routes import OpenAIServer, make_api
+from serve_app.local_server import LocalServer
 
 MODEL = "tiny"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RunningServer:
-    def __init__(self, server: OpenAIServer, replica: ModelReplica):
-        self.server, self.replica = server, replica
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(make_api(server), host="127.0.0.1", port=self.port, log_level="warning")
-        self._uvicorn = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
-        self._thread.start()
-        deadline = time.time() + 30
-        while not self._uvicorn.started:
-            assert time.time() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-
-    def stop(self):
-        self._uvicorn.should_exit = True
-        self._thread.join(timeout=10)
-
-    def wait_idle(self, timeout: float = 10.0) -> dict:
-        """Engine stats once nothing runs or waits (aborts land at the next step)."""
-        deadline = time.time() + timeout
-        while True:
-            stats = self.replica.engine_stats()
-            if stats["num_running"] == 0 and stats["num_waiting"] == 0 or time.time() > deadline:
-                return stats
-            time.sleep(0.02)
+def wait_idle(server: LocalServer, timeout: float = 10.0) -> dict:
+    """Engine stats once nothing runs or waits (aborts land at the next step)."""
+    deadline = time.time() + timeout
+    while True:
+        stats = server.replica.engine_stats()
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 or time.time() > deadline:
+            return stats
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="package")
 def replica(tiny_llama_dir):
-    config = AppConfig(model=str(tiny_llama_dir), dtype="float32")
-    replica = ModelReplica(config.engine.model_dump())
+    replica = ModelReplica(AppConfig(model=str(tiny_llama_dir), dtype="float32").engine.model_dump())
     yield replica
     replica.engine.shutdown()
 
 
 @pytest.fixture(scope="package")
 def start_server(tiny_llama_dir, replica):
+    """Starts a server over the shared replica, or over a replica of its own (`own_replica=True`)."""
     servers = []
 
-    def start(**overrides) -> RunningServer:
-        config = AppConfig(model=str(tiny_llama_dir), served_model_name=MODEL, dtype="float32", **overrides)
-        running = RunningServer(OpenAIServer.from_config(config, LocalBackend(replica)), replica)
+    def start(own_replica: bool = False, model: str | None = None, **overrides) -> LocalServer:
+        config = AppConfig(model=model or str(tiny_llama_dir), served_model_name=MODEL, dtype="float32",
+                           **overrides)
+        running = LocalServer(config, None if own_replica else replica)
         servers.append(running)
         return running
 
@@ -78,7 +51,7 @@ def start_server(tiny_llama_dir, replica):
 
 
 @pytest.fixture(scope="package")
-def http(start_server) -> RunningServer:
+def http(start_server) -> LocalServer:
     return start_server()
 
 

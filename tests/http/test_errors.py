@@ -4,7 +4,7 @@ a full ingress 429 with Retry-After; a client that disconnects frees its blocks.
 import httpx
 import pytest
 
-from tests.http.conftest import MODEL
+from tests.http.conftest import MODEL, wait_idle
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -76,7 +76,7 @@ def test_full_ingress_answers_429_with_retry_after(start_server):
             refused = c.post("/v1/chat/completions", json=CHAT)
             assert error_of(refused, 429)["type"] == "rate_limit_exceeded"
             assert refused.headers["retry-after"] == "2"
-    assert small.wait_idle()["num_running"] == 0
+    assert wait_idle(small)["num_running"] == 0
     # The slot is free again once the stream is gone.
     with httpx.Client(base_url=small.base_url, timeout=30) as c:
         assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
@@ -90,7 +90,7 @@ def test_client_disconnect_frees_its_blocks(http):
             for _ in range(6):
                 next(lines)
             assert http.replica.engine_stats()["num_running"] == 1
-    stats = http.wait_idle()
+    stats = wait_idle(http)
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
     assert stats["num_generated_tokens"] < 1500
 

@@ -1,0 +1,111 @@
+"""Multi-turn chat: what each turn costs with retention on, retention off, and the prefix cache disabled.
+
+    python bench/multiturn.py [--turns 8] [--reply-tokens 32] [--reps 3] [--dtype auto]
+
+Three local servers (the production routes over one in-process replica each, no
+Ray), one per mode, run one after another on the same 8-turn conversation
+(user turns of ~60 tokens, greedy replies). Per turn: prompt tokens, cached
+tokens (usage), tokens actually prefilled (the engine's own counter) and time
+to first token (first SSE event, streamed through the openai client). Medians
+over --reps conversations that differ in their first message.
+"""
+
+import argparse
+import statistics
+import time
+
+import openai
+
+from serve_app.config import AppConfig
+from serve_app.local_server import LocalServer
+
+MODES = {  # name -> (engine overrides, per-request retain_token_ids)
+    "retention on": ({}, True),
+    "retention off": ({}, False),
+    "no prefix cache": ({"enable_prefix_caching": False, "retain_token_ids": False}, False),
+}
+TOPICS = ["rivers", "bridges", "volcanoes", "orchards", "lighthouses", "glaciers", "markets", "comets"]
+
+
+def user_turn(rep: int, k: int) -> str:
+    """About 60 tokens of user text."""
+    topic = TOPICS[(k + rep) % len(TOPICS)]
+    return (f"Conversation {rep}, turn {k + 1}. I am writing a short travel guide and need help with a "
+            f"section about {topic}. Please describe two famous examples of {topic}, say where each one is, "
+            f"why visitors like it, and one practical tip for a first visit, in plain and friendly words.")
+
+
+def one_turn(client, model: str, messages: list[dict], reply_tokens: int, retain: bool) -> tuple[str, dict, float]:
+    start = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=reply_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"retain_token_ids": retain})
+    ttft, text, usage = None, "", None
+    for chunk in stream:
+        ttft = ttft or time.perf_counter() - start
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if chunk.usage:
+            usage = chunk.usage.to_dict()
+    return text, usage, ttft
+
+
+def run_mode(server: LocalServer, model: str, args, retain: bool) -> list[list[dict]]:
+    """-> per rep, per turn: prompt, cached, prefilled, ttft."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    reps = []
+    for rep in range(args.reps):
+        messages, rows = [], []
+        for k in range(args.turns):
+            messages.append({"role": "user", "content": user_turn(rep, k)})
+            before = server.replica.engine_stats()["num_prompt_tokens_computed"]
+            text, usage, ttft = one_turn(client, model, messages, args.reply_tokens, retain)
+            prefilled = server.replica.engine_stats()["num_prompt_tokens_computed"] - before
+            rows.append({"prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"],
+                         "completion": usage["completion_tokens"], "prefilled": prefilled, "ttft": ttft})
+            messages.append({"role": "assistant", "content": text})
+        reps.append(rows)
+    return reps
+
+
+def new_tokens(rows: list[dict], k: int) -> int:
+    """Prompt tokens turn k added after the previous turn's prompt + completion."""
+    return rows[k]["prompt"] - (rows[k - 1]["prompt"] + rows[k - 1]["completion"] if k else 0)
+
+
+def report(name: str, reps: list[list[dict]], turns: int, block_size: int) -> None:
+    med = lambda key, k: statistics.median(r[k][key] for r in reps)  # noqa: E731
+    within = all(r[k]["prefilled"] <= new_tokens(r, k) + block_size for r in reps for k in range(turns))
+    print(f"\n{name}")
+    print(f"{'turn':>4} {'prompt':>7} {'new':>5} {'cached':>7} {'prefilled':>9} {'ttft ms':>8}")
+    for k in range(turns):
+        print(f"{k + 1:>4} {med('prompt', k):>7.0f} {statistics.median(new_tokens(r, k) for r in reps):>5.0f} "
+              f"{med('cached', k):>7.0f} {med('prefilled', k):>9.0f} {med('ttft', k) * 1000:>8.0f}")
+    print(f"ttft turn {turns} / turn 1: {med('ttft', turns - 1) / med('ttft', 0):.2f}x; "
+          f"prefilled <= new + one block ({block_size}) on every turn of every conversation: {within}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--reply-tokens", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    results = {}
+    for name, (engine, retain) in MODES.items():
+        config = AppConfig(model=args.model, dtype=args.dtype, engine={"num_threads": 2, **engine})
+        server = LocalServer(config)
+        try:
+            results[name] = run_mode(server, config.model_name(), args, retain)
+        finally:
+            server.stop()
+    print(f"model {args.model}, dtype {args.dtype}, {args.turns} turns, {args.reply_tokens}-token greedy replies, "
+          f"medians of {args.reps} conversations ('new': prompt tokens added after the previous prompt + reply)")
+    for name, reps in results.items():
+        report(name, reps, args.turns, config.engine.block_size)
+
+
+if __name__ == "__main__":
+    main()

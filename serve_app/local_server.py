@@ -1,0 +1,44 @@
+"""LocalServer: Tether without Ray: the production routes over one in-process ModelReplica, served by
+uvicorn on a thread. For tests, benchmarks and quick local runs; `serve run` is the deployment path."""
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from replicas.deployment import ModelReplica
+from serve_app.backend import LocalBackend
+from serve_app.config import AppConfig
+from serve_app.routes import OpenAIServer, make_api
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    def __init__(self, config: AppConfig, replica: ModelReplica | None = None, host: str = "127.0.0.1",
+                 port: int | None = None):
+        self.owns_replica = replica is None
+        self.replica = replica or ModelReplica(config.engine.model_dump())
+        self.server = OpenAIServer.from_config(config, LocalBackend(self.replica))
+        self.port = port or free_port(host)
+        self.base_url = f"http://{host}:{self.port}"
+        self._uvicorn = uvicorn.Server(uvicorn.Config(make_api(self.server), host=host, port=self.port,
+                                                      log_level="warning"))
+        self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
+        self._thread.start()
+        deadline = time.time() + 30
+        while not self._uvicorn.started:
+            if time.time() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"uvicorn did not start on {self.base_url}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout=10)
+        if self.owns_replica:
+            self.replica.engine.shutdown()
