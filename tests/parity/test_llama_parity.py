@@ -6,6 +6,7 @@ import torch
 from replicas.config import EngineConfig
 from replicas.engine.engine import Engine
 from replicas.messages import GenerateRequest, SamplingParams
+from tests.engine.conftest import run_all
 
 
 def reference(model_dir):
@@ -60,12 +61,7 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2_dir):
                                pad_token_id=tok.eos_token_id)
         expected[f"p{i}"] = out[0, len(ids):].tolist()
         requests.append(GenerateRequest(f"p{i}", ids, SamplingParams(temperature=0.0, max_tokens=32)))
-    got = {r.request_id: [] for r in requests}
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_unfinished():
-        for delta in engine.step():
-            got[delta.request_id] += delta.token_ids
+    got = run_all(engine, requests)  # batched, all five at once
     assert got == expected
     assert all(len(ids) == 32 for ids in got.values())
 

@@ -51,6 +51,9 @@ def test_turns_land_on_the_predicted_replica(serve_app, replica_ids):
                                                               temperature=0)
             assert raw.headers[REPLICA_HEADER] == predicted, f"turn {turn} of {first!r}"
             served_by.add(raw.headers[REPLICA_HEADER])
+            details = raw.parse().usage.prompt_tokens_details.to_dict()
+            # Sticky routing is what lets turn 2 on find the ids its replica kept.
+            assert details["retention"] == ("first turn" if turn == 0 else "retained")
             reply = raw.parse().choices[0].message.content
             messages = messages + [{"role": "assistant", "content": reply},
                                    {"role": "user", "content": f"and turn {turn + 2}?"}]
