@@ -16,6 +16,7 @@ from replicas.device import set_threads
 from replicas.engine.async_engine import AsyncEngine
 from replicas.engine.engine import Engine
 from replicas.messages import GenerateRequest
+from replicas.metrics import ReplicaMetrics
 from replicas.models.prepare import prepare_model
 
 logger = logging.getLogger("ray.serve")
@@ -36,6 +37,7 @@ class ModelReplica:
         num_threads = set_threads(config.num_threads)
         self.engine = AsyncEngine(Engine(config))
         self.replica_id = current_replica_id()
+        self.metrics = ReplicaMetrics(self.replica_id)  # a no-op outside Ray
         logger.info("ModelReplica %s: %s, dtype %s, %d KV blocks, max_model_len %d, %d threads",
                     self.replica_id, config.model, self.engine.engine.dtype,
                     self.engine.engine.block_pool.num_blocks, self.engine.engine.max_model_len, num_threads)
@@ -60,8 +62,10 @@ class ModelReplica:
                 "num_preemptions": engine.scheduler.num_preemptions}
 
     def record_routing_stats(self) -> dict:
-        engine = self.engine.engine
-        return {"num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting)}
+        """Serve calls this every `request_routing_stats_period_s`; it also exports the replica's metrics."""
+        stats = self.engine_stats()
+        self.metrics.update(stats)
+        return {"num_running": stats["num_running"], "num_waiting": stats["num_waiting"]}
 
     def check_health(self) -> None:
         if not self.engine.is_healthy:

@@ -24,6 +24,20 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Logits processors, applied in this order to a float32 copy, only for rows that ask:
+    repetition_penalty: float = 1.0  # prompt + generated, HF semantics (> 0; 1 = off)
+    presence_penalty: float = 0.0  # generated tokens
+    frequency_penalty: float = 0.0  # generated tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # clamped to [-100, 100]
+    min_tokens: int = 0  # no EOS / stop token id / stop string before this many generated tokens
+    min_p: float = 0.0
+    # Logprobs: None = none; k = the chosen token's logprob + the k most likely (0..20).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # needs logits at prompt positions: bypasses prefix cache and retention
+    # Detokenization.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @property
     def is_greedy(self) -> bool:
@@ -52,6 +66,17 @@ class GenerateRequest:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One position: the token there, its logprob (logit - logsumexp over the whole vocabulary, after the
+    logits processors, before temperature) and the most likely alternatives, most likely first."""
+
+    token_id: int
+    token: str  # the token's text as the tokenizer spells it alone
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (token_id, token, logprob)
+
+
+@dataclass(slots=True)
 class GenerateDelta:
     request_id: str
     token_ids: list[int]
@@ -63,6 +88,12 @@ class GenerateDelta:
     num_retained_tokens: int = 0  # prompt tokens that came from a retained conversation
     retention: str = "off"  # which path the prompt took: "retained", "miss", "first turn", "off", "fallback: ..."
     prompt_token_ids: list[int] | None = None  # the ids the model saw; on the first delta only
+    # With SamplingParams.logprobs: one entry per token of the returned text in this delta (none for an
+    # EOS / stop token id that ends the request, or for tokens cut with a stop string).
+    logprobs: list[TokenLogprob] | None = None
+    # With prompt_logprobs, on the first delta: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_reasoning_tokens: int = 0  # generated tokens up to and including the reasoning end tag
     replica_id: str = ""
 
 

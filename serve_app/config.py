@@ -20,7 +20,8 @@ class IngressConfig(BaseModel):
         64, ge=1, description="Requests one ingress replica holds at once (waiting or streaming); "
                               "past it the ingress answers 429 with Retry-After.")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 / 503.")
-    expose_replica_header: bool = Field(True, description="Send `x-tether-replica` (the replica that served).")
+    expose_replica_header: bool = Field(True, description="Send `x-tether-replica` (the replica(s) that served).")
+    max_n: int = Field(16, ge=1, le=128, description="Most choices one request may ask for (`n`).")
 
 
 class RouterConfig(BaseModel):

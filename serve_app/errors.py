@@ -5,6 +5,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from replicas.messages import RequestError
+from serve_app.protocol import FieldError
 
 
 def error_response(error: RequestError, retry_after_s: int | None = None) -> JSONResponse:
@@ -22,6 +23,9 @@ def validation_error(exc: RequestValidationError) -> RequestError:
     path = [part for part in loc if not any(ch in part for ch in "[]") and part not in ("str", "int", "list")]
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
     param = ".".join(path) or None
+    blamed = (first.get("ctx") or {}).get("error")
+    if isinstance(blamed, FieldError):  # a cross-field check names the field it blames
+        param, message = blamed.param, str(blamed)
     return RequestError(f"{param}: {message}" if param else message, param=param)
 
 

@@ -1,9 +1,10 @@
 """OpenAI request models. Validation lives here: a bad value fails here, and the
 ingress turns the failure into a 400 in OpenAI's error shape naming the field.
 
-Fields OpenAI defines that Tether does not honour yet are refused with a 400
-when set (never silently ignored). Other unknown fields are ignored, as vLLM
-does. An explicit `null` means the field's default, as OpenAI treats it.
+Checks that need the deployment (n's limit, the vocabulary, the context) are in
+serve_app/routes.py. OpenAI fields Tether does not honour are refused with a
+400 when set (never silently ignored); other unknown fields are ignored, as
+OpenAI does. An explicit `null` means the field's default.
 """
 
 from typing import Any, Literal
@@ -11,6 +12,22 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from replicas.messages import SamplingParams
+
+# OpenAI fields not honoured: a request that sets one is refused, naming it.
+NOT_SUPPORTED = ("functions", "function_call", "prediction", "audio", "modalities")
+TEXT_PART_TYPES = ("text", "input_text")
+
+
+def _is_unset(value) -> bool:
+    return value is None or value == {} or value == []
+
+
+class FieldError(ValueError):
+    """A cross-field check failing, naming the field it blames (model validators have no location)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class StreamOptions(BaseModel):
@@ -27,15 +44,12 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
-
-# OpenAI fields not honoured yet: a request that sets one is refused, naming it.
-NOT_YET_SUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
-                     "top_logprobs", "best_of", "min_p", "repetition_penalty", "min_tokens", "prediction",
-                     "audio", "modalities")
-
-
-def _is_unset(value) -> bool:
-    return value is None or value == {} or value == []
+    def for_template(self) -> dict:
+        """The message as chat templates expect it: text parts joined into one string."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "\n".join(part.get("text", "") for part in self.content)
+        return out
 
 
 class SamplingFields(BaseModel):
@@ -50,67 +64,87 @@ class SamplingFields(BaseModel):
             return {k: v for k, v in data.items() if v is not None}
         return data
 
-
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
-    n: int = Field(1, ge=1, le=1, description="n > 1 (fan-out) is not served yet")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1)
     max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=256)
     return_token_ids: bool = False  # extension (vLLM): prompt_token_ids and each choice's token_ids
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
-    logit_bias: Any = None
-    top_logprobs: Any = None
-    best_of: Any = None
-    min_p: Any = None
-    repetition_penalty: Any = None
-    min_tokens: Any = None
     prediction: Any = None
     audio: Any = None
     modalities: Any = None
 
-    @field_validator(*NOT_YET_SUPPORTED)
+    @field_validator(*NOT_SUPPORTED)
     @classmethod
-    def _not_supported_yet(cls, value, info):
+    def _not_supported(cls, value, info):
         if not _is_unset(value):
-            raise ValueError(f"{info.field_name} is not supported yet")
+            raise ValueError(f"{info.field_name} is not supported")
         return value
 
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, stop):
-        if isinstance(stop, list) and any(s == "" for s in stop) or stop == "":
+        if stop == "" or isinstance(stop, list) and any(s == "" for s in stop):
             raise ValueError("stop strings must not be empty")
         return stop
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _not_yet_honoured(cls, value, info):
-        if value != 0.0:
-            raise ValueError(f"{info.field_name} is not supported yet; leave it at 0")
+    def _logit_bias_keys(cls, bias):
+        for key in bias or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids; got {key!r}")
+        return bias
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value):
+        if value not in (None, 1):
+            raise ValueError("best_of > 1 is not supported; use n")
         return value
 
-    def sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+    @model_validator(mode="after")
+    def _min_tokens_within_max_tokens(self):
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise FieldError("min_tokens", "min_tokens must not exceed max_tokens")
+        return self
+
+    def sampling_params(self, num_logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else max(self.top_k, 0),
-            seed=self.seed, max_tokens=self.max_tokens or default_max_tokens, stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
+            seed=self.seed, max_tokens=self.max_tokens, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): max(-100.0, min(100.0, v)) for k, v in (self.logit_bias or {}).items()},
+            min_tokens=self.min_tokens, min_p=self.min_p, logprobs=num_logprobs, prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     @property
     def include_usage(self) -> bool:
@@ -121,30 +155,72 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
     # Extension: keep this turn's exact ids for the next turn (None: the deployment's default, on).
     retain_token_ids: bool | None = None
 
-    @field_validator("logprobs")
+    @model_validator(mode="before")
     @classmethod
-    def _no_logprobs(cls, value):
+    def _max_completion_tokens(cls, data):
+        # OpenAI's newer name wins; folded in before the min_tokens check sees max_tokens.
+        value = data.get("max_completion_tokens") if isinstance(data, dict) else None
+        if isinstance(value, int) and value >= 1:  # a bad value stays to fail under its own name
+            data = {**data, "max_tokens": value}
+        return data
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value):
+        if value and value.get("type", "text") != "text":
+            raise ValueError(f"response_format {value.get('type')!r} is not supported yet (constrained decoding)")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value):
         if value:
-            raise ValueError("logprobs is not supported yet")
+            raise ValueError("tools are not supported yet")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value):
+        if value not in (None, "none"):
+            raise ValueError("tool_choice is not supported yet")
         return value
 
     @model_validator(mode="after")
-    def _max_completion_tokens(self):
-        if self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
+    def _chat_checks(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise FieldError("continue_final_message",
+                               "continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise FieldError("continue_final_message", "continue_final_message needs a final assistant message")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        for i, message in enumerate(self.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                if part.get("type") not in TEXT_PART_TYPES:
+                    raise FieldError(f"messages[{i}].content[{j}]",
+                                       f"content part type {part.get('type')!r} is not supported (text only)")
         return self
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @field_validator("prompt")
     @classmethod
@@ -157,12 +233,17 @@ class CompletionRequest(SamplingFields):
             raise ValueError("the prompt is empty")
         return prompt
 
-    @field_validator("echo", "suffix", "logprobs")
-    @classmethod
-    def _not_yet_supported(cls, value, info):
-        if value is not None and value is not False:
-            raise ValueError(f"{info.field_name} is not supported yet")
-        return value
+    @model_validator(mode="after")
+    def _completion_checks(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError("prompt_logprobs", "prompt_logprobs cannot be streamed")
+        return self
+
+    def prompt_logprobs_needed(self) -> int | None:
+        """Logits at prompt positions: asked for, or echo with logprobs (the echoed prompt's logprobs)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo and self.logprobs is not None else None
 
 
 class TokenizeRequest(BaseModel):

@@ -18,6 +18,19 @@ from replicas.messages import RequestError
 from replicas.tokenizer import load_tokenizer
 
 SENTINEL = "\u2063tether\u2063sentinel\u2063"
+FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """Byte-level BPE's byte -> printable character table (GPT-2's): printable bytes map to themselves,
+    the rest to the characters from U+0100 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 @dataclass(slots=True)
@@ -33,15 +46,29 @@ class Renderer:
     def __init__(self, model_dir: str):
         self.tokenizer = load_tokenizer(model_dir)
         self._terminator: tuple[str, list[int]] | None = None
+        self._byte_decoder = {ch: b for b, ch in bytes_to_unicode().items()}
+        self._token_bytes: dict[int, list[int]] = {}
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """A token's own bytes (a byte-level BPE token may hold part of a UTF-8 character); cached."""
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if piece and all(ch in self._byte_decoder for ch in piece):
+                cached = [self._byte_decoder[ch] for ch in piece]
+            else:  # special tokens, or a tokenizer that is not byte-level
+                cached = list(self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8"))
+            self._token_bytes[token_id] = cached
+        return cached
 
     def render_text(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict | None = None) -> str:
+                    chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use /v1/completions", param="messages")
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}))
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
         except Exception as exc:  # the template's own checks (roles, alternation) raise here
             raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
@@ -58,6 +85,17 @@ class Renderer:
             return list(prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
+    def fim_prompt(self, prompt: str, suffix: str) -> list[int]:
+        """Fill in the middle (prefix-suffix-middle order) with the vocabulary's own FIM tokens."""
+        vocab = self.tokenizer.get_vocab()
+        for names in (FIM_TOKENS, tuple(f"<|{n[1:-1]}|>" for n in FIM_TOKENS)):
+            if all(name in vocab for name in names):
+                prefix_id, suffix_id, middle_id = (vocab[name] for name in names)
+                encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+                return [prefix_id] + encode(prompt) + [suffix_id] + encode(suffix) + [middle_id]
+        raise RequestError("suffix needs a model whose vocabulary has fill-in-the-middle tokens; this one has none",
+                           param="suffix")
+
     def turn_terminator(self) -> tuple[str, list[int]]:
         """What the template writes after an assistant reply's content (SmolLM2: '<|im_end|>\\n')."""
         if self._terminator is None:
@@ -68,10 +106,10 @@ class Renderer:
         return self._terminator
 
     def render_turn(self, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None,
-                    caller: str, model: str, retain: bool) -> ChatRender:
-        b_text = self.render_text(messages, add_generation_prompt, chat_template_kwargs)
+                    caller: str, model: str, retain: bool, continue_final_message: bool = False) -> ChatRender:
+        b_text = self.render_text(messages, add_generation_prompt, chat_template_kwargs, continue_final_message)
         render = ChatRender(self.encode(b_text))
-        if not retain:
+        if not retain or continue_final_message:  # a continued reply is no finished turn to keep
             return render
         options = {"add_generation_prompt": add_generation_prompt, "chat_template_kwargs": chat_template_kwargs}
         render.conversation_key = history_key(caller, model, options, messages)

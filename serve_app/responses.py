@@ -1,23 +1,73 @@
-"""OpenAI response bodies and stream chunks, for chat and completions.
+"""OpenAI response bodies and stream chunks, for chat and completions, with n choices.
 
 Extensions (vLLM's shape, so existing clients work): with `return_token_ids`,
 chat bodies carry `prompt_token_ids` at the top level and `token_ids` in each
 choice; completions carry both in the choice. Stream chunks carry each delta's
-`token_ids`, and the first chunk the `prompt_token_ids`.
+`token_ids`, and a choice's first chunk the `prompt_token_ids`.
 """
 
 import time
 from dataclasses import dataclass, field
 
-from replicas.messages import GenerateDelta
+from replicas.messages import GenerateDelta, TokenLogprob
+
+SYSTEM_FINGERPRINT = "tether-0.1.0"
 
 
-def usage(last: GenerateDelta) -> dict:
-    return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_generated_tokens,
-            "total_tokens": last.num_prompt_tokens + last.num_generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens,
-                                      "retained_tokens": last.num_retained_tokens,
-                                      "retention": last.retention}}
+@dataclass
+class ChoiceResult:
+    """One choice, gathered from its deltas."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first: GenerateDelta | None = None
+    last: GenerateDelta | None = None
+
+    def add(self, delta: GenerateDelta) -> None:
+        self.first = self.first or delta
+        self.last = delta
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+
+
+def usage(lasts: list[GenerateDelta]) -> dict:
+    """The prompt counted once (choice 0's), completions summed."""
+    head = lasts[0]
+    completion = sum(d.num_generated_tokens for d in lasts)
+    return {"prompt_tokens": head.num_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": head.num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": head.num_cached_tokens,
+                                      "retained_tokens": head.num_retained_tokens, "retention": head.retention},
+            "completion_tokens_details": {"reasoning_tokens": sum(d.num_reasoning_tokens for d in lasts)}}
+
+
+def chat_logprobs(entries: list[TokenLogprob], token_bytes) -> dict:
+    """OpenAI's chat shape; `bytes` are each token's own bytes, so a character split across tokens
+    is rebuilt by joining them (its pieces alone spell U+FFFD)."""
+    def one(token_id: int, token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": token_bytes(token_id)}
+
+    return {"content": [{**one(e.token_id, e.token, e.logprob), "top_logprobs": [one(*t) for t in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenLogprob | None], text_start: int = 0) -> dict:
+    """tokens, token_logprobs, top_logprobs, text_offset; a None entry (the first prompt token) has no logprob."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = text_start
+    for e in entries:
+        if e is None:
+            tokens.append(None), token_logprobs.append(None), tops.append(None), offsets.append(offset)
+            continue
+        tokens.append(e.token)
+        token_logprobs.append(e.logprob)
+        tops.append({t: lp for _, t, lp in e.top})
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
 @dataclass
@@ -29,6 +79,9 @@ class ResponseFormat:
     model: str
     include_usage: bool = False
     return_token_ids: bool = False
+    logprobs: bool = False
+    echo_text: str | None = None  # completions with echo: the prompt leads the text
+    token_bytes: object = None  # token id -> its bytes (Renderer.token_bytes), for chat logprobs
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -37,31 +90,49 @@ class ResponseFormat:
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices}
+                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
 
-    def body(self, text: str, token_ids: list[int], prompt_token_ids: list[int], last: GenerateDelta) -> dict:
-        choice = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-            out = self._envelope("chat.completion", [choice])
-        else:
-            choice["text"] = text
-            out = self._envelope("text_completion", [choice])
-        if self.return_token_ids:
-            choice["token_ids"] = token_ids
-            (out if self.kind == "chat" else choice)["prompt_token_ids"] = prompt_token_ids
-        out["usage"] = usage(last)
+    def _echo_logprobs(self, first: GenerateDelta) -> list:
+        return list(first.prompt_logprobs or []) if self.echo_text is not None else []
+
+    def body(self, choices: list[ChoiceResult]) -> dict:
+        out_choices = []
+        for c in choices:
+            choice = {"index": c.index, "logprobs": None, "finish_reason": c.last.finish_reason}
+            if self.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": c.text}
+                if self.logprobs:
+                    choice["logprobs"] = chat_logprobs(c.logprobs, self.token_bytes)
+            else:
+                choice["text"] = (self.echo_text or "") + c.text
+                if self.logprobs:
+                    choice["logprobs"] = completion_logprobs(self._echo_logprobs(c.first) + c.logprobs)
+            if self.return_token_ids:
+                choice["token_ids"] = c.token_ids
+                if self.kind == "completion":
+                    choice["prompt_token_ids"] = c.first.prompt_token_ids
+            out_choices.append(choice)
+        out = self._envelope("chat.completion" if self.kind == "chat" else "text_completion", out_choices)
+        if self.return_token_ids and self.kind == "chat":
+            out["prompt_token_ids"] = choices[0].first.prompt_token_ids
+        out["usage"] = usage([c.last for c in choices])
         return out
 
-    def chunk(self, delta: GenerateDelta, first: bool = False) -> dict:
-        """The chunk of one delta; `first` also carries the prompt ids (and the role, for chat)."""
-        choice = {"index": 0, "logprobs": None, "finish_reason": delta.finish_reason}
+    def chunk(self, delta: GenerateDelta, index: int, first: bool = False) -> dict:
+        """The chunk of one delta of choice `index`; a choice's first chunk carries the role and prompt ids."""
+        choice = {"index": index, "logprobs": None, "finish_reason": delta.finish_reason}
         if self.kind == "chat":
             content = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
             choice["delta"] = {} if delta.finish_reason and not delta.text and not first else content
+            if self.logprobs:
+                choice["logprobs"] = chat_logprobs(delta.logprobs or [], self.token_bytes)
             out = self._envelope("chat.completion.chunk", [choice])
         else:
-            choice["text"] = delta.text
+            echo = (self.echo_text or "") if first else ""
+            choice["text"] = echo + delta.text
+            if self.logprobs:
+                choice["logprobs"] = completion_logprobs((self._echo_logprobs(delta) if first else [])
+                                                         + (delta.logprobs or []))
             out = self._envelope("text_completion", [choice])
         if self.return_token_ids:
             choice["token_ids"] = delta.token_ids
@@ -71,8 +142,8 @@ class ResponseFormat:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, last: GenerateDelta) -> dict:
+    def usage_chunk(self, lasts: list[GenerateDelta]) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         out = self._envelope(obj, [])
-        out["usage"] = usage(last)
+        out["usage"] = usage(lasts)
         return out

@@ -5,6 +5,7 @@ routes run inside the Serve ingress and, over a LocalBackend, in plain uvicorn.
 """
 
 import hashlib
+import time
 import uuid
 
 from fastapi import Depends, FastAPI, Request
@@ -14,7 +15,8 @@ from replicas.config import read_max_position_embeddings
 from replicas.messages import GenerateRequest, RequestError, as_request_error
 from replicas.models.prepare import prepare_model
 from serve_app.config import AppConfig
-from serve_app.dispatch import REPLICA_HEADER, Dispatcher
+from serve_app.fanout import REPLICA_HEADER, FanOut
+from serve_app.metrics import IngressMetrics, install_metrics
 from serve_app.errors import error_response, install_error_handlers
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                 TokenizeRequest)
@@ -30,7 +32,8 @@ class OpenAIServer:
         self.config = config
         self.renderer = renderer
         self.backend = backend
-        self.dispatcher = Dispatcher(backend, config.ingress)
+        self.metrics = IngressMetrics()
+        self.fanout = FanOut(backend, config.ingress, self.metrics)
         self.model_name = config.model_name()
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -83,8 +86,20 @@ class OpenAIServer:
             raise RequestError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                                status_code=404, param="model", code="model_not_found")
 
-    def generate_request(self, body: SamplingFields, prompt_token_ids: list[int], caller: str, key: str,
-                         prompt_param: str) -> GenerateRequest:
+    def check_deployment_limits(self, body: SamplingFields) -> None:
+        """The 400s that need the deployment: n's limit, token ids in the vocabulary."""
+        if body.n > self.config.ingress.max_n:
+            raise RequestError(f"n must be at most {self.config.ingress.max_n}", param="n")
+        vocab = len(self.renderer.tokenizer)
+        if any(not 0 <= int(t) < vocab for t in body.logit_bias or {}):
+            raise RequestError(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
+        if any(not 0 <= t < vocab for t in body.stop_token_ids or []):
+            raise RequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+
+    def generate_requests(self, body: SamplingFields, prompt_token_ids: list[int], caller: str, key: str,
+                          prompt_param: str, num_logprobs: int | None,
+                          prompt_logprobs: int | None) -> list[GenerateRequest]:
+        """n requests for one prompt: same routing hint; choice i > 0 gets a seed derived from (seed, i)."""
         num_prompt = len(prompt_token_ids)
         if num_prompt >= self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; the "
@@ -93,26 +108,37 @@ class OpenAIServer:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; {num_prompt} "
                                f"in the prompt + {body.max_tokens} max_tokens exceed it.", param="max_tokens",
                                code="context_length_exceeded")
-        return GenerateRequest(uuid.uuid4().hex, prompt_token_ids, body.sampling_params(), caller=caller,
-                               route_key=key)
+        requests = []
+        for i in range(body.n):
+            params = body.sampling_params(num_logprobs, prompt_logprobs)
+            if params.seed is not None and i > 0:
+                params.seed = (params.seed * 1_000_003 + i) % (1 << 63)
+            requests.append(GenerateRequest(uuid.uuid4().hex, prompt_token_ids, params, caller=caller,
+                                            route_key=key))
+        return requests
 
     def retains(self, body: ChatCompletionRequest) -> bool:
         """Retention is on by default; the deployment's switch wins over the request's."""
         return self.config.engine.retain_token_ids and body.retain_token_ids is not False
 
     async def chat(self, body: ChatCompletionRequest, key_identity: str | None):
+        start = time.perf_counter()
         caller = self.caller(key_identity, body.user)
         self.check_model(body.model)
+        self.check_deployment_limits(body)
         await self.sync_limits()
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         render = self.renderer.render_turn(messages, body.add_generation_prompt, body.chat_template_kwargs,
-                                           caller, self.model_name, self.retains(body))
+                                           caller, self.model_name, self.retains(body), body.continue_final_message)
         key = route_key(caller, self.model_name, messages=messages, block_size=self.block_size)
-        request = self.generate_request(body, render.prompt_token_ids, caller, key, "messages")
-        self._attach_retention(request, render)
-        fmt = ResponseFormat("chat", f"chatcmpl-{request.request_id}", self.model_name, body.include_usage,
-                             body.return_token_ids)
-        return await self.dispatcher.respond(request, fmt, body.stream)
+        requests = self.generate_requests(body, render.prompt_token_ids, caller, key, "messages",
+                                          body.num_logprobs(), None)
+        for request in requests:
+            self._attach_retention(request, render)
+        fmt = ResponseFormat("chat", body.request_id or f"chatcmpl-{requests[0].request_id}", self.model_name,
+                             body.include_usage, body.return_token_ids, logprobs=body.logprobs,
+                             token_bytes=self.renderer.token_bytes)
+        return await self.fanout.respond(requests, fmt, body.stream, start)
 
     def _attach_retention(self, request: GenerateRequest, render: ChatRender) -> None:
         request.history_key = render.history_key
@@ -123,16 +149,28 @@ class OpenAIServer:
             request.turn_terminator_ids = self.renderer.turn_terminator()[1]
 
     async def completions(self, body: CompletionRequest, key_identity: str | None):
+        start = time.perf_counter()
         caller = self.caller(key_identity, body.user)
         self.check_model(body.model)
+        self.check_deployment_limits(body)
         await self.sync_limits()
-        ids = self.renderer.encode_prompt(body.prompt)
+        if body.suffix is not None:
+            if not isinstance(body.prompt, str):
+                raise RequestError("suffix needs a text prompt", param="suffix")
+            ids = self.renderer.fim_prompt(body.prompt, body.suffix)
+        else:
+            ids = self.renderer.encode_prompt(body.prompt)
         key = route_key(caller, self.model_name, token_ids=ids, block_size=self.block_size,
                         num_route_blocks=self.config.router.num_route_blocks)
-        request = self.generate_request(body, ids, caller, key, "prompt")
-        fmt = ResponseFormat("completion", f"cmpl-{request.request_id}", self.model_name, body.include_usage,
-                             body.return_token_ids)
-        return await self.dispatcher.respond(request, fmt, body.stream)
+        requests = self.generate_requests(body, ids, caller, key, "prompt", body.logprobs,
+                                          body.prompt_logprobs_needed())
+        echo = None
+        if body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else self.renderer.tokenizer.decode(ids)
+        fmt = ResponseFormat("completion", body.request_id or f"cmpl-{requests[0].request_id}", self.model_name,
+                             body.include_usage, body.return_token_ids, logprobs=body.logprobs is not None,
+                             echo_text=echo)
+        return await self.fanout.respond(requests, fmt, body.stream, start)
 
     # -- token ids without generation ------------------------------------------
 
@@ -140,7 +178,7 @@ class OpenAIServer:
         """With `messages`, the ids a chat generation's prompt would have with retention off."""
         self.check_model(body.model)
         if body.messages is not None:
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            messages = [m.for_template() for m in body.messages]
             ids = self.renderer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
         elif isinstance(body.prompt, list):
             ids = list(body.prompt)
@@ -163,6 +201,7 @@ class OpenAIServer:
 def make_api(server: OpenAIServer) -> FastAPI:
     app = FastAPI(title="Tether", version=VERSION)
     install_error_handlers(app, server.config.ingress.retry_after_s)
+    install_metrics(app, server.metrics)  # GET /metrics, and every response counted by route and status
     auth = Depends(server.authenticate)
 
     @app.post("/v1/chat/completions")

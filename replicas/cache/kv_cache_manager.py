@@ -34,8 +34,8 @@ class KVCacheManager:
 
     def match_prefix(self, request: Request) -> list[int]:
         """The cached blocks of the request's longest cached prefix, not covering its last token.
-        Does not modify the pool."""
-        if not self.pool.enable_caching:
+        Does not modify the pool. A request that needs logits at every prompt position matches nothing."""
+        if not self.pool.enable_caching or request.needs_prompt_logits:
             return []
         self.update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -1,9 +1,9 @@
 """Engine: one model, one KV pool, one scheduler; tokens in, deltas out. Synchronous.
 
     step():  scheduled = scheduler.schedule()
-             token_ids = model_runner.run(scheduled)
-             updated   = scheduler.postprocess(scheduled, token_ids)
-             -> detokenize the updated requests, end those that hit a stop string
+             output    = model_runner.run(scheduled)     sampled ids, their logprobs, prompt logprobs
+             updated   = scheduler.postprocess(scheduled, output.token_ids)
+             -> RequestOutput per updated request: detokenize, logprobs, end those that hit a stop string
 
 The engine is not thread-safe: AsyncEngine owns it from one thread.
 """
@@ -16,13 +16,14 @@ from replicas.cache.block_pool import BlockPool
 from replicas.cache.kv_cache_manager import KVCacheManager
 from replicas.config import EngineConfig
 from replicas.device import resolve_device, resolve_dtype
-from replicas.engine.detokenizer import IncrementalDetokenizer
-from replicas.engine.model_runner import ModelRunner
+from replicas.engine.model_runner import ModelRunner, ModelRunnerOutput
+from replicas.engine.output import RequestOutput, TokenTexts, reasoning_end_token_id
 from replicas.engine.request import Request, RequestStatus
 from replicas.engine.retention import Retention
 from replicas.engine.scheduler import Scheduler
 from replicas.messages import GenerateDelta, GenerateRequest, RequestError
 from replicas.models.loader import load_model
+from replicas.sampling.logprobs import PositionLogprobs
 from replicas.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -42,6 +43,8 @@ class Engine:
         self.model, self.model_config = load_model(config.model, self.dtype, self.device)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.reasoning_end_id = reasoning_end_token_id(self.tokenizer)
         kv_caches, num_blocks = self._allocate_kv_caches()
         self.block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(KVCacheManager(self.block_pool, config.block_size),
@@ -51,7 +54,7 @@ class Engine:
         # A request that fits the context must fit the pool alone, or it could never finish.
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.outputs: dict[str, RequestOutput] = {}
         self.origins: dict[str, GenerateRequest] = {}  # what the ingress sent, for retention at the end
         self.retention = Retention(config.retain_token_ids, config.max_retained_tokens)
         self.stats = EngineStats()
@@ -78,6 +81,8 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if any(not 0 <= t < vocab for t in request.sampling.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         if num_prompt >= self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; "
                                f"the prompt has {num_prompt}.", param="prompt", code="context_length_exceeded")
@@ -98,13 +103,12 @@ class Engine:
                       num_retained_tokens=num_retained, retention=retention)
         self.requests[req.request_id] = req
         self.origins[req.request_id] = request
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, stop=list(request.sampling.stop))
+        self.outputs[req.request_id] = RequestOutput(req, self.tokenizer, self.token_texts, self.reasoning_end_id)
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
-        self.detokenizers.pop(request_id, None)
+        self.outputs.pop(request_id, None)
         self.origins.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
@@ -122,27 +126,24 @@ class Engine:
             num_prompt_left = item.request.num_prompt_tokens - item.request.num_computed_tokens
             self.stats.num_prompt_tokens_computed += max(0, min(item.num_tokens, num_prompt_left))
         self.stats.num_prompt_tokens_cached = self.scheduler.num_prompt_tokens_cached
-        token_ids = self.runner.run(scheduled)
-        updated = self.scheduler.postprocess(scheduled, token_ids)
+        output: ModelRunnerOutput = self.runner.run(scheduled)
+        for item in scheduled:
+            item.request.collected_prompt_logprobs += output.prompt_logprobs.get(item.request.request_id, [])
+        updated = self.scheduler.postprocess(scheduled, output.token_ids)
         self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(updated)
-        return [self._delta(req) for req in updated]
+        # updated holds one request per sampling row, in the runner's row order.
+        return [self._delta(req, logprob) for req, logprob in zip(updated, output.logprobs, strict=True)]
 
-    def _delta(self, req: Request) -> GenerateDelta:
-        detok = self.detokenizers[req.request_id]
+    def _delta(self, req: Request, logprob: PositionLogprobs | None) -> GenerateDelta:
+        out = self.outputs[req.request_id]
         token_id = req.token_ids[-1]
-        detok.add_tokens([token_id], skip_text=req.status == RequestStatus.FINISHED_STOPPED)
-        if detok.stopped:
+        out.add_token(req, token_id, logprob)
+        if out.detokenizer.stopped:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        finished = req.status.is_finished
-        delta = GenerateDelta(req.request_id, [token_id], detok.take_delta(finished),
-                              req.status.finish_reason if finished else None,
-                              req.num_prompt_tokens, req.num_cached_tokens or 0, req.num_output_tokens,
-                              req.num_retained_tokens, req.retention)
-        if req.num_output_tokens == 1:
-            delta.prompt_token_ids = list(req.prompt_token_ids)
-        if finished:
+        delta = out.delta(req, token_id)
+        if req.status.is_finished:
             del self.requests[req.request_id]
-            del self.detokenizers[req.request_id]
-            self.retention.record(self.origins.pop(req.request_id), req.token_ids, detok.text)
+            del self.outputs[req.request_id]
+            self.retention.record(self.origins.pop(req.request_id), req.token_ids, out.detokenizer.text)
         return delta

@@ -2,19 +2,35 @@
 
 Builds the step's ForwardBatch (flattened tokens, positions, slot mapping,
 attention groups), runs the model once over it, computes logits only for the
-rows that sample, and samples them.
+rows that sample, and samples them. Requests with prompt_logprobs also get
+logits at their prompt rows of the step (chunk by chunk), scored against the
+next prompt token.
 
     scheduled:  A(prefill chunk, 5 tokens from position 0)  B(decode)  C(decode)
     input_ids:  a0 a1 a2 a3 a4 | b7 | c3                       T = 7
     groups:     decode [B, C] (Q = 1)   prefill [A] (Q = 5)
+    A with prompt_logprobs, prompt of 9:  rows a0..a4 score tokens a1..a5
 """
+
+from dataclasses import dataclass
 
 import torch
 
 from replicas.engine.forward_batch import ForwardBatch
 from replicas.engine.scheduler import ScheduledRequest
 from replicas.kernels.paged_attention import AttentionGroup
+from replicas.sampling.logprobs import PositionLogprobs, compute_logprobs
 from replicas.sampling.sampler import Sampler
+
+# Prompt rows turned into logprobs at a time: bounds the [rows, vocab] float32 logits they need.
+PROMPT_LOGITS_ROWS = 256
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    token_ids: list[int]  # one per sampling row, in scheduled order
+    logprobs: list[PositionLogprobs | None]  # one per sampling row; None where not asked
+    prompt_logprobs: dict[str, list[PositionLogprobs]]  # request id -> this step's prompt positions, in order
 
 
 class ModelRunner:
@@ -27,15 +43,45 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledRequest]) -> list[int]:
-        """One forward over the step; returns one sampled token id per sampling row, in scheduled order."""
+    def run(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
+        """One forward over the step; samples one token per sampling row, in scheduled order."""
         batch = self.prepare(scheduled)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch)  # [T, hidden]
+        prompt_logprobs = self._prompt_logprobs(hidden, scheduled)
         if batch.logits_indices.numel() == 0:
-            return []
+            return ModelRunnerOutput([], [], prompt_logprobs)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [R, vocab] float32
         sampling_requests = [item.request for item in scheduled if item.samples]
-        return self.sampler(logits, sampling_requests)
+        sampled = self.sampler(logits, sampling_requests)
+        return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         scheduled: list[ScheduledRequest]) -> dict[str, list[PositionLogprobs]]:
+        """Logprobs (of the raw logits: no processor applies to a prompt) of the next prompt token at each
+        prompt row of the requests that need them. hidden: [T, hidden]."""
+        rows, targets, owners = [], [], []  # flat row, the prompt token it scores, its request
+        offset = 0
+        for item in scheduled:
+            request, start = item.request, item.request.num_computed_tokens
+            if request.needs_prompt_logits:
+                # Position p scores prompt token p + 1; positions already collected (before a preemption) are skipped.
+                first = max(start, len(request.collected_prompt_logprobs))
+                last = min(start + item.num_tokens, request.num_prompt_tokens - 1)
+                for p in range(first, last):
+                    rows.append(offset + p - start)
+                    targets.append(request.prompt_token_ids[p + 1])
+                    owners.append(request)
+            offset += item.num_tokens
+        out: dict[str, list[PositionLogprobs]] = {}
+        for i in range(0, len(rows), PROMPT_LOGITS_ROWS):
+            idx = torch.tensor(rows[i:i + PROMPT_LOGITS_ROWS], dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden[idx])  # [n, vocab] float32
+            part = owners[i:i + PROMPT_LOGITS_ROWS]
+            entries = compute_logprobs(logits, torch.tensor(targets[i:i + PROMPT_LOGITS_ROWS]),
+                                       [req.sampling.prompt_logprobs for req in part])
+            for req, entry in zip(part, entries):
+                out.setdefault(req.request_id, []).append(entry)
+        return out
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ForwardBatch:
         input_ids, positions, slot_mapping, cu_seqlens, logits_indices = [], [], [], [0], []

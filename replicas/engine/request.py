@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from replicas.messages import SamplingParams
+from replicas.sampling.logprobs import PositionLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +49,8 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks whose hashes are registered in the pool
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
+    # With prompt_logprobs: one entry per prompt token 1.., collected across prefill chunks.
+    collected_prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -69,6 +72,12 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        # Logits at every prompt position: computed from token 0, so the prefix cache is bypassed until done.
+        return (self.sampling.prompt_logprobs is not None
+                and len(self.collected_prompt_logprobs) < self.num_prompt_tokens - 1)
 
     def is_stop_token(self, token_id: int) -> bool:
         if token_id in self.sampling.stop_token_ids:

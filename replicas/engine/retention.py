@@ -24,6 +24,8 @@ class Retention:
         ids = list(request.prompt_token_ids)
         if not self.enabled or request.retention == "off":
             return ids, 0, "off"
+        if request.sampling.prompt_logprobs is not None:  # the logprobs are of the prompt the ingress rendered
+            return ids, 0, "off: prompt_logprobs needs every prompt position"
         if request.history_key is None or request.new_turn_span is None:
             return ids, 0, request.retention  # first turn, or the ingress's fallback reason
         kept = self.store.get(request.history_key, request.caller)

@@ -1,28 +1,44 @@
-"""Sampler: logits of the sampling rows -> one token id per row.
+"""Sampler: logits of the sampling rows -> one token id per row, and logprobs for the rows that ask.
 
-1. Greedy rows (temperature 0) take the argmax of the raw logits.
-2. The other rows are divided by their temperature,
-3. cut to their top_k, then to their top_p (nucleus, smallest set reaching p),
-4. softmaxed, and drawn: a row with a seed draws from its own (CPU) generator,
+1. A LogitsPlan is built on the host for the rows that ask for a logits processor (penalties,
+   logit_bias, min_tokens, min_p); a batch where none asks takes the plain path with no extra work.
+2. The plan is applied to a float32 copy of those rows (processors.py, vLLM's order).
+3. Greedy rows (temperature 0) take the argmax of the processed logits.
+4. The other rows are divided by their temperature,
+5. cut to their top_k, then to their top_p (nucleus, smallest set reaching p),
+6. softmaxed, and drawn: a row with a seed draws from its own (CPU) generator,
    so its output does not depend on what else is in the batch or the device.
-Logits processors (penalties, logit_bias, min_p) join in front of step 2 later.
+7. Rows with logprobs get the drawn token's logprob and their top alternatives, from the processed
+   logits of step 2 (before temperature; logprobs.py).
 """
+
+from dataclasses import dataclass
 
 import torch
 
 from replicas.engine.request import Request
+from replicas.sampling.logprobs import PositionLogprobs, compute_logprobs
+from replicas.sampling.processors import apply_logits_plan, build_logits_plan
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[PositionLogprobs | None]  # one per row; None where the request did not ask
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         # logits: [R, vocab] float32, row r belongs to requests[r]
+        plan = build_logits_plan(requests, logits.shape[-1], logits.device)
+        logits = apply_logits_plan(logits, plan)  # [R, vocab]
         token_ids = logits.argmax(dim=-1).cpu()  # [R]
         rows = [r for r, req in enumerate(requests) if not req.sampling.is_greedy]
         if rows:
             probs = self._probs(logits[rows], [requests[r] for r in rows]).cpu()  # [len(rows), vocab]
             for i, r in enumerate(rows):
                 token_ids[r] = torch.multinomial(probs[i], 1, generator=requests[r].generator)[0]
-        return token_ids.tolist()
+        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, token_ids, requests))
 
     def _probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         temperature = torch.tensor([req.sampling.temperature for req in requests], dtype=logits.dtype,
@@ -33,6 +49,16 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             logits = apply_top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)
+
+    def _logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor,
+                  requests: list[Request]) -> list[PositionLogprobs | None]:
+        out: list[PositionLogprobs | None] = [None] * len(requests)
+        rows = [r for r, req in enumerate(requests) if req.sampling.logprobs is not None]
+        if rows:
+            entries = compute_logprobs(logits[rows], token_ids[rows], [requests[r].sampling.logprobs for r in rows])
+            for r, entry in zip(rows, entries):
+                out[r] = entry
+        return out
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

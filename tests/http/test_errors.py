@@ -18,7 +18,8 @@ def error_of(response, status: int) -> dict:
 
 @pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 0), ("top_p", 1.5),
                                          ("max_tokens", 0), ("stop", 5), ("stop", [1, "x"]),
-                                         ("max_completion_tokens", 0), ("n", 2)])
+                                         ("max_completion_tokens", 0), ("n", 0), ("n", 17),
+                                         ("logit_bias", {"999999": 1}), ("stop_token_ids", [-1])])
 def test_bad_chat_fields_answer_400_naming_the_field(raw, field, value):
     error = error_of(raw.post("/v1/chat/completions", json={**CHAT, field: value}), 400)
     assert error["param"] == field and error["type"] == "invalid_request_error"
@@ -58,9 +59,10 @@ def test_null_means_default_and_unsupported_fields_are_refused(raw):
     ok = raw.post("/v1/chat/completions", json={**CHAT, "n": None, "stream": None, "temperature": None})
     assert ok.status_code == 200
     for field, value in [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                         ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5})]:
+                         ("response_format", {"type": "json_object"}), ("functions", [{"name": "f"}])]:
         error = error_of(raw.post("/v1/chat/completions", json={**CHAT, field: value}), 400)
         assert error["param"] == field and "not supported" in error["message"]
+    assert raw.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "text"}}).status_code == 200
     bad_json = raw.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert error_of(bad_json, 400)["param"] is None
 

@@ -80,6 +80,20 @@ def test_models_health_version(raw, http):
     assert "version" in raw.get("/version").json()
 
 
+
+def test_metrics_count_requests_tokens_and_latency(raw, client):
+    client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, temperature=0)
+    raw.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "temperature": -1})
+    text = raw.get("/metrics").text
+    counts = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert counts['tether_requests_total{route="/v1/chat/completions",status="200"}'] >= 1
+    assert counts['tether_requests_total{route="/v1/chat/completions",status="400"}'] >= 1
+    assert counts["tether_completion_tokens_total"] >= 3 and counts["tether_prompt_tokens_total"] > 0
+    assert counts["tether_time_to_first_token_seconds_count"] >= 1
+    assert counts["tether_inter_token_latency_seconds_count"] >= 2
+
+
 if __name__ == "__main__":
     import sys
 

@@ -60,6 +60,29 @@ def test_turns_land_on_the_predicted_replica(serve_app, replica_ids):
     assert served_by == set(replica_ids)  # both replicas served traffic
 
 
+def test_n_fans_out_through_the_conversation_router(serve_app, replica_ids):
+    # Calls gathered inside one HTTP request share Serve's internal request id: the router's fan-out
+    # fix is what lets all three finish (the plain RequestRouter hands a replica to the first only).
+    c = client(serve_app)
+    messages = [SYSTEM, {"role": "user", "content": "fan-out check: name a fruit"}]
+    one = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=5,
+                                                      temperature=0, n=3, timeout=60)
+    three = raw.parse()
+    assert [ch.index for ch in three.choices] == [0, 1, 2]
+    assert {ch.message.content for ch in three.choices} == {one.choices[0].message.content}
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens and three.usage.completion_tokens == 15
+    predicted = rendezvous_owner(route_key("", MODEL, messages=messages), replica_ids)
+    assert raw.headers[REPLICA_HEADER] == predicted  # all three where the prompt is cached
+    streamed = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, n=3,
+                                         stream=True, timeout=60)
+    texts = {0: "", 1: "", 2: ""}
+    for chunk in streamed:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert set(texts.values()) == {one.choices[0].message.content}
+
+
 def test_bad_request_is_a_400_through_serve(serve_app):
     c = client(serve_app)
     with pytest.raises(openai.BadRequestError) as err:

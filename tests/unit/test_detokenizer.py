@@ -49,6 +49,46 @@ def test_special_tokens_are_skipped(tokenizer):
     assert "".join(feed(IncrementalDetokenizer(tokenizer, []), ids)) == "Hi"
 
 
+def test_released_tokens_follow_the_text_handed_out(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [])
+    text, released = "", 0
+    for token_id in ids:
+        detok.add_tokens([token_id])
+        text += detok.take_delta(finished=False)
+        released += detok.take_released_tokens()
+        assert tokenizer.decode(ids[:released]) == text  # a partial character's ids wait for the rest
+    assert released < len(ids) or text == TEXT
+    detok.take_delta(finished=True)
+    assert released + detok.take_released_tokens() == len(ids)
+
+
+def test_a_stop_string_cut_releases_only_tokens_before_it(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["END marker"])
+    feed(detok, ids)
+    released = detok.take_released_tokens()
+    returned = TEXT[:TEXT.index("END marker")]  # "... the "; the id " END" gave its space to it
+    assert tokenizer.decode(ids[:released - 1]) == returned[:-1]
+    assert tokenizer.decode(ids[:released]) == returned + "END"  # a straddling id counts as returned
+
+
+def test_include_stop_str_in_output_ends_after_the_stop_string(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["END marker", "naïve"], include_stop_str_in_output=True)
+    assert "".join(feed(detok, ids)) == TEXT[:TEXT.index("naïve") + len("naïve")]  # the first in the text wins
+
+
+def test_min_tokens_holds_back_stop_strings(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    k = next(k for k in range(len(ids)) if "END marker" in tokenizer.decode(ids[:k]))  # the id completing it
+    at = IncrementalDetokenizer(tokenizer, [], stop=["END marker"], min_tokens=k)
+    assert "".join(feed(at, ids)) == TEXT[:TEXT.index("END marker")]
+    # One id later the stop string already lies in text from before min_tokens: it never ends the request.
+    after = IncrementalDetokenizer(tokenizer, [], stop=["END marker"], min_tokens=k + 1)
+    assert "".join(feed(after, ids)) == TEXT and not after.stopped
+
+
 if __name__ == "__main__":
     import sys
 

@@ -19,10 +19,26 @@ def param_of(model, body) -> str | None:
 
 @pytest.mark.parametrize("field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5),
                                          ("max_tokens", 0), ("stop", 5), ("stop", [1, 2]), ("n", 0),
-                                         ("presence_penalty", 0.5), ("max_completion_tokens", 0),
-                                         ("logprobs", True)])
+                                         ("presence_penalty", 2.5), ("frequency_penalty", -3),
+                                         ("repetition_penalty", 0), ("min_p", 1.5), ("min_tokens", -1),
+                                         ("max_completion_tokens", 0), ("top_logprobs", 21), ("best_of", 2),
+                                         ("logit_bias", {"abc": 1}), ("response_format", {"type": "json_object"}),
+                                         ("tools", [{"type": "function"}]), ("tool_choice", "auto")])
 def test_chat_bad_values_name_their_field(field, value):
     assert param_of(ChatCompletionRequest, {**CHAT, field: value}) == field
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt (default)
+    ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # no final assistant
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[1]"),
+])
+def test_cross_field_checks_name_the_field_they_blame(body, field):
+    assert param_of(ChatCompletionRequest, {**CHAT, **body}) == field
 
 
 def test_bad_message_names_its_path():
@@ -35,14 +51,23 @@ def test_completion_prompt_forms():
     assert CompletionRequest(model="m", prompt=[1, 2, 3]).prompt == [1, 2, 3]
     assert CompletionRequest(model="m", prompt=[[4, 5]]).prompt == [4, 5]
     assert param_of(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}) == "prompt"
-    assert param_of(CompletionRequest, {"model": "m", "prompt": "x", "echo": True}) == "echo"
+    assert param_of(CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 6}) == "logprobs"
+    assert param_of(CompletionRequest, {"model": "m", "prompt": "x", "prompt_logprobs": 1, "stream": True}) \
+        == "prompt_logprobs"
 
 
 def test_sampling_params_defaults_and_max_completion_tokens():
-    body = ChatCompletionRequest(**CHAT, max_completion_tokens=7, stop="###", temperature=0)
-    params = body.sampling_params()
+    body = ChatCompletionRequest(**CHAT, max_completion_tokens=7, stop="###", temperature=0,
+                                 logit_bias={"5": 300, "6": -2})
+    params = body.sampling_params(None, None)
     assert (params.max_tokens, params.stop, params.temperature, params.top_p) == (7, ["###"], 0.0, 1.0)
-    assert ChatCompletionRequest(**CHAT).sampling_params().max_tokens is None
+    assert params.logit_bias == {5: 100.0, 6: -2.0}  # clamped to [-100, 100]
+    assert ChatCompletionRequest(**CHAT).sampling_params(None, None).max_tokens is None
+    assert ChatCompletionRequest(**CHAT, logprobs=True).num_logprobs() == 0
+    assert ChatCompletionRequest(**CHAT, logprobs=True, top_logprobs=3).num_logprobs() == 3
+    text_parts = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert text_parts.messages[0].for_template()["content"] == "a\nb"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""ReplicaMetrics: one replica's engine state as Ray metrics, tagged `replica=<replica id>`.
+
+Ray's metrics agent exports them on each node's metrics port with a `ray_`
+prefix (counters also get `_total`): `ray_tether_replica_kv_blocks_used`,
+`ray_tether_replica_generated_tokens_total`, ... (docs/metrics.md).
+
+`ray.util.metrics` needs a Ray worker or driver; outside Ray (in-process tests,
+LocalServer, benchmarks) every method is a silent no-op.
+"""
+
+import ray
+
+__all__ = ["ReplicaMetrics"]
+
+TAG_KEYS = ("replica",)
+
+# stats key -> (metric name, description); counters get deltas, gauges the value.
+COUNTERS = {
+    "num_prompt_tokens_computed": ("tether_replica_prompt_tokens_computed",
+                                   "Prompt tokens run through the model (recomputation included)."),
+    "num_prompt_tokens_cached": ("tether_replica_prompt_tokens_cached",
+                                 "Prompt tokens served from the prefix cache instead of computed."),
+    "num_generated_tokens": ("tether_replica_generated_tokens", "Tokens generated."),
+    "num_preemptions": ("tether_replica_preemptions", "Sequences preempted for lack of KV blocks."),
+}
+GAUGES = {
+    "num_running": ("tether_replica_running_sequences", "Sequences in the running batch."),
+    "num_waiting": ("tether_replica_waiting_sequences", "Sequences waiting to be scheduled."),
+    "num_blocks_used": ("tether_replica_kv_blocks_used", "KV cache blocks in use."),
+    "num_blocks": ("tether_replica_kv_blocks_capacity", "KV cache blocks in the pool."),
+}
+
+
+class ReplicaMetrics:
+    """Feed it `ModelReplica.engine_stats()` periodically; it turns cumulative counts into counter deltas.
+
+    Contract: `update` never raises for a stats dict with missing keys (they read as 0), and a count that
+    went down (an engine restarted under the same id) is taken as counting again from zero.
+    """
+
+    def __init__(self, replica_id: str):
+        self.replica_id = replica_id
+        self.is_enabled = ray.is_initialized()
+        self._last: dict[str, int] = {key: 0 for key in COUNTERS}
+        self._counters = {}
+        self._gauges = {}
+        if not self.is_enabled:
+            return
+        from ray.util.metrics import Counter, Gauge
+
+        tags = {"replica": replica_id}
+        for key, (name, description) in COUNTERS.items():
+            self._counters[key] = Counter(name, description, tag_keys=TAG_KEYS).set_default_tags(tags)
+        for key, (name, description) in GAUGES.items():
+            self._gauges[key] = Gauge(name, description, tag_keys=TAG_KEYS).set_default_tags(tags)
+
+    def update(self, stats: dict) -> None:
+        if not self.is_enabled:
+            return
+        values = dict(stats)
+        values["num_blocks_used"] = int(stats.get("num_blocks", 0)) - int(stats.get("num_free_blocks", 0))
+        for key, counter in self._counters.items():
+            value = int(values.get(key, 0))
+            last = self._last[key]
+            delta = value - last if value >= last else value
+            self._last[key] = value
+            if delta > 0:  # Ray's Counter.inc rejects 0
+                counter.inc(delta)
+        for key, gauge in self._gauges.items():
+            gauge.set(int(values.get(key, 0)))
