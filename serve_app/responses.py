@@ -70,6 +70,17 @@ def completion_logprobs(entries: list[TokenLogprob | None], text_start: int = 0)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
+def prompt_logprobs_shape(entries: list[TokenLogprob | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt position, token id -> {logprob, decoded_token}, the prompt's
+    own token first, then the most likely; None for the first position."""
+    def one(e: TokenLogprob) -> dict:
+        out = {str(e.token_id): {"logprob": e.logprob, "decoded_token": e.token}}
+        out.update({str(t): {"logprob": lp, "decoded_token": tok} for t, tok, lp in e.top if t != e.token_id})
+        return out
+
+    return [None if e is None else one(e) for e in entries]
+
+
 @dataclass
 class ResponseFormat:
     """One request's response id, model, kind and options; builds its bodies and chunks."""
@@ -107,6 +118,8 @@ class ResponseFormat:
                 choice["text"] = (self.echo_text or "") + c.text
                 if self.logprobs:
                     choice["logprobs"] = completion_logprobs(self._echo_logprobs(c.first) + c.logprobs)
+                if c.first.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_shape(c.first.prompt_logprobs)
             if self.return_token_ids:
                 choice["token_ids"] = c.token_ids
                 if self.kind == "completion":

@@ -62,16 +62,25 @@ class Sampler:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Masks (to -inf) what falls outside each row's top_k and top_p; k <= 0 and p >= 1 are off."""
+    """Masks (to -inf) what falls outside each row's top_k and top_p; k <= 0 and p >= 1 are off.
+
+    When every row has a top_k, only the largest k of them are ranked (topk), not the whole
+    vocabulary: a full sort of 8 rows x 49152 logits costs ~45 ms per step on 2 CPU cores."""
     vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [R, vocab]
     device = logits.device
-    k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device)
-    drop = torch.arange(vocab, device=device)[None, :] >= k[:, None]  # beyond the k-th
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    p = torch.tensor(top_p, dtype=probs.dtype, device=device)
-    # Drop a token when the tokens before it already reach p; the first one always stays.
-    drop = (probs.cumsum(dim=-1) - probs) >= p[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
+    ks = [k if k > 0 else vocab for k in top_k]
+    width = max(ks)
+    if width < vocab:
+        ranked, ranked_idx = logits.topk(width, dim=-1)  # [R, width], descending
+    else:
+        ranked, ranked_idx = logits.sort(dim=-1, descending=True)  # [R, vocab]
+    k = torch.tensor(ks, device=device)
+    drop = torch.arange(width, device=device)[None, :] >= k[:, None]  # beyond the k-th
+    ranked = ranked.masked_fill(drop, float("-inf"))
+    if any(p < 1.0 for p in top_p):
+        probs = ranked.softmax(dim=-1)
+        p = torch.tensor(top_p, dtype=probs.dtype, device=device)
+        # Drop a token when the tokens before it already reach p; the first one always stays.
+        drop = (probs.cumsum(dim=-1) - probs) >= p[:, None]
+        ranked = ranked.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, ranked_idx, ranked)

@@ -135,6 +135,94 @@ def http_tokenizer_decode(raw, ids) -> str:
     return raw.post("/detokenize", json={"tokens": ids}).json()["prompt"]
 
 
+def test_truncation_parameters_reduce_sampling_to_greedy(client):
+    plain = greedy_ids(client)
+    hot = dict(max_tokens=8, extra_body={"return_token_ids": True})
+
+    def hot_ids(**extra):
+        body = chat(client, temperature=2.0, seed=5, **hot | {"extra_body": {**hot["extra_body"], **extra}})
+        return body.to_dict()["choices"][0]["token_ids"]
+
+    assert hot_ids() != plain  # temperature 2 wanders off the greedy path
+    assert hot_ids() == hot_ids()  # the same seed, the same draw
+    assert hot_ids(top_k=1) == plain and hot_ids(min_p=1.0) == plain
+    body = chat(client, temperature=2.0, seed=5, top_p=1e-6, **hot)
+    assert body.to_dict()["choices"][0]["token_ids"] == plain
+
+
+def test_stop_string_kept_with_include_stop_str_in_output(client):
+    text = chat(client, max_tokens=12, temperature=0).choices[0].message.content
+    stop = text[4:7]
+    cut = chat(client, max_tokens=12, temperature=0, stop=[stop])
+    kept = chat(client, max_tokens=12, temperature=0, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert cut.choices[0].message.content == text[:text.find(stop)]
+    assert kept.choices[0].message.content == text[:text.find(stop) + len(stop)]
+    assert cut.choices[0].finish_reason == kept.choices[0].finish_reason == "stop"
+
+
+def test_special_tokens_shown_when_not_skipped_and_ignore_eos(client, http):
+    eos = http.server.renderer.tokenizer.eos_token_id
+    forced_eos = {str(eos): 100}  # EOS every step
+    stopped = chat(client, max_tokens=5, temperature=0, logit_bias=forced_eos)
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == ""
+    shown = chat(client, max_tokens=3, temperature=0, logit_bias=forced_eos,
+                 extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert shown.usage.completion_tokens == 3 and shown.choices[0].message.content == "<|im_end|>" * 3
+
+
+def test_prompt_logprobs_on_completions(client, http):
+    ids = http.server.renderer.encode_prompt("The cat sat on the mat")
+    body = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
+                                     extra_body={"prompt_logprobs": 1}).to_dict()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # every prompt position computed
+    entries = body["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for token_id, entry in zip(ids[1:], entries[1:]):
+        assert str(token_id) in entry and entry[str(token_id)]["logprob"] <= 0  # the prompt's own token
+        assert 1 <= len(entry) <= 2
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logit_bias": {"49152": 1}}, "logit_bias"), ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                {"type": "input_audio", "input_audio": {}}]}]},
+     "messages[0].content[1]"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"), ({"best_of": 3}, "best_of"),
+    ({"max_tokens": 10 ** 6}, "max_tokens"),
+])
+def test_every_bad_value_answers_400_naming_its_field(raw, body, param):
+    response = raw.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_completion_400s(raw):
+    for body, param in [({"logprobs": 6}, "logprobs"), ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+                        ({"suffix": "x"}, "suffix")]:
+        response = raw.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_disconnect_cancels_every_choice(http):
+    import httpx
+
+    from tests.http.conftest import wait_idle
+
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 1500, "n": 3, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=http.base_url, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            for _ in range(8):
+                next(lines)
+            assert http.replica.engine_stats()["num_running"] == 3
+    stats = wait_idle(http)
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
 if __name__ == "__main__":
     import sys
 
