@@ -1,0 +1,166 @@
+"""Qwen3.5 text decoder (model_type `qwen3_5_text`): a hybrid of Gated DeltaNet and gated full attention.
+
+`config.layer_types` names each layer "linear_attention" (GatedDeltaNet, state in slots outside the module:
+replicas/models/gated_deltanet.py) or "full_attention" (gated attention on our paged KV cache, as Llama's).
+Runs one step's flattened batch, `input_ids` [T] and `positions` [T]; `kv_caches` holds one (k, v) per
+FULL-attention layer, in layer order, and `linear_state` one LinearLayerState per linear layer.
+
+Differences from Llama that matter for exactness (transformers' modeling_qwen3_5.py):
+- every RMSNorm except the gated one scales by (1 + weight), in float32, then casts;
+- q_proj gives query and output gate per head ([T, H, 2 * D] split in halves); out = o * sigmoid(gate);
+- q_norm / k_norm per head before rotary; rotary on the first head_dim * partial_rotary_factor dims only
+  (text positions: the three mrope sections carry the same position, so it is plain rotate-half RoPE).
+Module names follow Qwen3_5ForCausalLM's state dict (`model.layers.{i}.linear_attn.in_proj_qkv.weight`, ...).
+"""
+
+import torch
+from torch import nn
+
+from replicas.engine.forward_batch import ForwardBatch
+from replicas.kernels.paged_attention import paged_attention, store_kvcache
+from replicas.models.gated_deltanet import GatedDeltaNet, LinearStateBatch
+from replicas.models.layers import RotaryEmbedding, SwiGLU
+from replicas.models.llama import rope_theta
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """transformers' Qwen3_5RMSNorm: x / rms(x) * (1 + weight), all in float32; checkpoints store weight ~ 0."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Qwen3_5Attention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
+        bias = bool(config.attention_bias)
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim * 2, bias=bias)  # query and gate
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary
+        self.rotary_dim = rotary.cos.shape[-1] * 2
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch) -> torch.Tensor:
+        # x: [T, hidden]
+        num_tokens = x.shape[0]
+        q, gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)  # [T, H, D]
+        k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self._rotate(positions, q, k)
+        k_cache, v_cache = kv_cache
+        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, batch.groups, self.scale)  # [T, H, D]
+        o = o * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(num_tokens, -1))
+
+    def _rotate(self, positions, q, k):
+        if self.rotary_dim == self.head_dim:
+            return self.rotary(positions, q, k)
+        d = self.rotary_dim
+        q_rot, k_rot = self.rotary(positions, q[..., :d], k[..., :d])
+        return torch.cat([q_rot, q[..., d:]], dim=-1), torch.cat([k_rot, k[..., d:]], dim=-1)
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, config, layer_type: str, rotary: RotaryEmbedding):
+        super().__init__()
+        self.is_linear = layer_type == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = Qwen3_5Attention(config, rotary)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, batch: ForwardBatch, kv_cache=None, linear_state=None,
+                step: LinearStateBatch | None = None):
+        h = self.input_layernorm(x)
+        if self.is_linear:
+            h = self.linear_attn(h, batch.cu_seqlens, linear_state, step)
+        else:
+            h = self.self_attn(positions, h, kv_cache, batch)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5TextModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        params = config.rope_parameters or {}
+        rotary_dim = int(config.head_dim * params.get("partial_rotary_factor", 1.0))
+        rotary = RotaryEmbedding(rotary_dim, config.max_position_embeddings, rope_theta(config))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t, rotary) for t in config.layer_types)
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, batch, linear_state: LinearStateBatch | None):
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        kv_iter = iter(kv_caches)
+        state_iter = iter(linear_state.layers) if linear_state is not None else None
+        for layer in self.layers:
+            if layer.is_linear:
+                layer_state = next(state_iter) if state_iter is not None else None
+                x = layer(positions, x, batch, linear_state=layer_state, step=linear_state)
+            else:
+                x = layer(positions, x, batch, kv_cache=next(kv_iter))
+        return self.norm(x)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        check_supported(config)
+        self.config = config
+        self.model = Qwen3_5TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Which layers need a KV cache and which need state slots, in layer order.
+        self.full_attention_layers = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
+        self.linear_attention_layers = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        # Called again by the loader: moving off the meta device unties shared parameters.
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches, batch: ForwardBatch,
+                linear_state: LinearStateBatch | None = None) -> torch.Tensor:
+        """-> hidden states [T, hidden]. kv_caches: one (k, v) per full-attention layer. linear_state: the step's
+        slots, read and updated in place; None: every sequence starts from zeros and no state is kept."""
+        return self.model(input_ids, positions, kv_caches, batch, linear_state)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [S, hidden] -> logits [S, vocab] in float32
+        return self.lm_head(hidden).float()
+
+
+def check_supported(config) -> None:
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(f"rope scaling {rope_type!r} is not supported yet")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"activation {config.hidden_act!r} is not supported (Qwen3.5 uses silu)")
+    unknown = set(config.layer_types) - {"linear_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer types {sorted(unknown)} are not supported")
+    if len(config.layer_types) != config.num_hidden_layers:
+        raise ValueError("layer_types must name every layer")
