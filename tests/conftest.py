@@ -27,3 +27,10 @@ def tiny_llama_dir(smollm2_dir, tmp_path_factory) -> Path:
     from tests.tiny_models import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dir(smollm2_dir, tmp_path_factory) -> Path:
+    from tests.tiny_hybrid import make_tiny_qwen3_5
+
+    return make_tiny_qwen3_5(tmp_path_factory.mktemp("tiny-hybrid"), smollm2_dir)

@@ -14,6 +14,7 @@ import torch
 
 from replicas.cache.block_pool import BlockPool
 from replicas.cache.kv_cache_manager import KVCacheManager
+from replicas.cache.state_slots import StateSlotPool
 from replicas.config import EngineConfig
 from replicas.device import resolve_device, resolve_dtype
 from replicas.engine.model_runner import ModelRunner, ModelRunnerOutput
@@ -22,6 +23,7 @@ from replicas.engine.request import Request, RequestStatus
 from replicas.engine.retention import Retention
 from replicas.engine.scheduler import Scheduler
 from replicas.messages import GenerateDelta, GenerateRequest, RequestError
+from replicas.models.gated_deltanet import allocate_linear_states
 from replicas.models.loader import load_model
 from replicas.sampling.logprobs import PositionLogprobs
 from replicas.tokenizer import eos_token_ids, load_tokenizer
@@ -46,10 +48,16 @@ class Engine:
         self.token_texts = TokenTexts(self.tokenizer)
         self.reasoning_end_id = reasoning_end_token_id(self.tokenizer)
         kv_caches, num_blocks = self._allocate_kv_caches()
-        self.block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        # Hybrid models: recurrent state per running sequence. Until exact state checkpoints land, a
+        # cached attention prefix is no use to them (the linear layers would start from zeros): no reuse.
+        self.is_hybrid = bool(getattr(self.model, "linear_attention_layers", None))
+        linear_states = allocate_linear_states(self.model_config, config.max_num_seqs, self.dtype, self.device) \
+            if self.is_hybrid else None
+        self.block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching and not self.is_hybrid)
         self.scheduler = Scheduler(KVCacheManager(self.block_pool, config.block_size),
-                                   config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device)
+                                   config.max_num_seqs, config.max_num_batched_tokens,
+                                   StateSlotPool(config.max_num_seqs) if self.is_hybrid else None)
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, linear_states)
         model_len = config.context_len(self.model_config.max_position_embeddings)
         # A request that fits the context must fit the pool alone, or it could never finish.
         self.max_model_len = min(model_len, num_blocks * config.block_size)
@@ -63,12 +71,14 @@ class Engine:
         cfg = self.model_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         block_shape = (self.config.block_size, cfg.num_key_value_heads, head_dim)
-        bytes_per_block = 2 * cfg.num_hidden_layers * torch.Size(block_shape).numel() * self.dtype.itemsize
+        # Only full-attention layers have KV (a hybrid model's linear layers keep state slots instead).
+        num_kv_layers = len(getattr(self.model, "full_attention_layers", range(cfg.num_hidden_layers)))
+        bytes_per_block = 2 * num_kv_layers * torch.Size(block_shape).numel() * self.dtype.itemsize
         num_blocks = self.config.num_kv_blocks or self.config.kv_cache_bytes // bytes_per_block
         caches = [(torch.zeros((num_blocks, *block_shape), dtype=self.dtype, device=self.device),
                    torch.zeros((num_blocks, *block_shape), dtype=self.dtype, device=self.device))
-                  for _ in range(cfg.num_hidden_layers)]
-        return caches, num_blocks  # per layer (k, v): [num_blocks, block_size, Hkv, D]
+                  for _ in range(num_kv_layers)]
+        return caches, num_blocks  # per KV layer (k, v): [num_blocks, block_size, Hkv, D]
 
     # -- requests ---------------------------------------------------------
 

@@ -19,6 +19,7 @@ import torch
 from replicas.engine.forward_batch import ForwardBatch
 from replicas.engine.scheduler import ScheduledRequest
 from replicas.kernels.paged_attention import AttentionGroup
+from replicas.models.gated_deltanet import LinearLayerState, LinearStateBatch, make_linear_state_batch
 from replicas.sampling.logprobs import PositionLogprobs, compute_logprobs
 from replicas.sampling.sampler import Sampler
 
@@ -35,9 +36,10 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 device: torch.device):
+                 device: torch.device, linear_states: list[LinearLayerState] | None = None):
         self.model = model
         self.kv_caches = kv_caches
+        self.linear_states = linear_states  # hybrid models: per linear layer, state tensors indexed by slot
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
@@ -46,7 +48,11 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
         """One forward over the step; samples one token per sampling row, in scheduled order."""
         batch = self.prepare(scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch)  # [T, hidden]
+        if self.linear_states is None:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch)  # [T, hidden]
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch,
+                                self._linear_state(scheduled, batch))
         prompt_logprobs = self._prompt_logprobs(hidden, scheduled)
         if batch.logits_indices.numel() == 0:
             return ModelRunnerOutput([], [], prompt_logprobs)
@@ -54,6 +60,12 @@ class ModelRunner:
         sampling_requests = [item.request for item in scheduled if item.samples]
         sampled = self.sampler(logits, sampling_requests)
         return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs)
+
+    def _linear_state(self, scheduled: list[ScheduledRequest], batch) -> LinearStateBatch:
+        """Each sequence's state slot; a sequence with nothing computed yet starts from zeros."""
+        slots = torch.tensor([item.request.state_slot for item in scheduled], dtype=torch.int64, device=self.device)
+        has_initial = torch.tensor([item.request.num_computed_tokens > 0 for item in scheduled], device=self.device)
+        return make_linear_state_batch(self.linear_states, batch.cu_seqlens, slots, has_initial)
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          scheduled: list[ScheduledRequest]) -> dict[str, list[PositionLogprobs]]:

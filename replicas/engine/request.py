@@ -45,6 +45,7 @@ class Request:
     num_retained_tokens: int = 0  # prompt tokens that came from a retained conversation
     retention: str = "off"  # which path the prompt took (replicas/engine/retention.py)
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # hybrid models: the recurrent-state slot this sequence owns while running
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks of token_ids
     num_registered_blocks: int = 0  # leading blocks whose hashes are registered in the pool
     status: RequestStatus = RequestStatus.WAITING

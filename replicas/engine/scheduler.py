@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from replicas.cache.kv_cache_manager import KVCacheManager
+from replicas.cache.state_slots import StateSlotPool
 from replicas.engine.request import Request, RequestStatus
 
 
@@ -29,8 +30,10 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 state_slots: StateSlotPool | None = None):
         self.kv_manager = kv_manager
+        self.state_slots = state_slots  # hybrid models only: one recurrent-state slot per running sequence
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -69,6 +72,8 @@ class Scheduler:
             if num_tokens is None:
                 break
             self._count_cached(request)
+            if self.state_slots is not None:
+                request.state_slot = self.state_slots.allocate()
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -82,9 +87,16 @@ class Scheduler:
             request.num_cached_tokens = num_cached_prompt
         self.num_prompt_tokens_cached += num_cached_prompt
 
+    def _release(self, request: Request) -> None:
+        """Gives back what a request holds: its blocks, and its state slot (a state cannot be rewound)."""
+        self.kv_manager.free(request)
+        if request.state_slot is not None:
+            self.state_slots.free(request.state_slot)
+            request.state_slot = None
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv_manager.free(request)
+        self._release(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -119,5 +131,5 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_manager.free(request)
+        self._release(request)
         request.status = status

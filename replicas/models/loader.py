@@ -7,9 +7,11 @@ from safetensors.torch import load_file
 
 from replicas.models.layers import RotaryEmbedding
 from replicas.models.llama import LlamaForCausalLM, rope_theta
+from replicas.models.qwen3_5 import Qwen3_5ForCausalLM
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,  # text-only checkpoints (model_type qwen3_5_text)
 }
 
 
