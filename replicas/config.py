@@ -29,6 +29,10 @@ class EngineConfig(BaseModel):
     retain_token_ids: bool = Field(True, description="Keep each finished chat turn's exact ids for the next turn "
                                                      "(requests may opt out; off here turns it off for all).")
     max_retained_tokens: int = Field(1 << 20, ge=0, description="Token ids kept for retained conversations (LRU).")
+    enable_state_checkpoints: bool = Field(True, description="Hybrid models: save recurrent state at exact "
+                                                             "chat-turn boundaries and restore it (needs prefix caching).")
+    checkpoint_bytes: int = Field(64 * MiB, ge=0, description="Hybrid models: memory for saved states (LRU).")
+    checkpoint_every: int = Field(0, ge=0, description="Hybrid models: also save every K prompt tokens; 0: off.")
     num_kv_blocks: int | None = Field(None, ge=1, description="Overrides the pool size in blocks (tests, tuning).")
     max_num_seqs: int = Field(16, ge=1, le=1024, description="Sequences in one running batch (the replica's capacity).")
     max_num_batched_tokens: int = Field(512, ge=16, description="Token budget of one step (decode rows + prefill chunks).")

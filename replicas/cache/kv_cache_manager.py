@@ -15,9 +15,11 @@ from replicas.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, reuse_blocks_alone: bool = True):
         self.pool = pool
         self.block_size = block_size
+        # False for hybrid models: cached blocks are reused only with a state checkpoint (checkpointer.py).
+        self.reuse_blocks_alone = reuse_blocks_alone
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -35,7 +37,7 @@ class KVCacheManager:
     def match_prefix(self, request: Request) -> list[int]:
         """The cached blocks of the request's longest cached prefix, not covering its last token.
         Does not modify the pool. A request that needs logits at every prompt position matches nothing."""
-        if not self.pool.enable_caching or request.needs_prompt_logits:
+        if not self.pool.enable_caching or not self.reuse_blocks_alone or request.needs_prompt_logits:
             return []
         self.update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from replicas.cache.block_pool import BlockPool
+from replicas.cache.checkpoints import CheckpointPool
 from replicas.cache.kv_cache_manager import KVCacheManager
 from replicas.cache.state_slots import StateSlotPool
 from replicas.config import EngineConfig
 from replicas.device import resolve_device, resolve_dtype
+from replicas.engine.checkpointer import Checkpointer
 from replicas.engine.model_runner import ModelRunner, ModelRunnerOutput
 from replicas.engine.output import RequestOutput, TokenTexts, reasoning_end_token_id
 from replicas.engine.request import Request, RequestStatus
@@ -48,15 +50,19 @@ class Engine:
         self.token_texts = TokenTexts(self.tokenizer)
         self.reasoning_end_id = reasoning_end_token_id(self.tokenizer)
         kv_caches, num_blocks = self._allocate_kv_caches()
-        # Hybrid models: recurrent state per running sequence. Until exact state checkpoints land, a
-        # cached attention prefix is no use to them (the linear layers would start from zeros): no reuse.
+        # Hybrid models: recurrent state per running sequence; a cached attention prefix is reused only
+        # together with a state checkpoint at exactly its end (the linear layers cannot recompute it).
         self.is_hybrid = bool(getattr(self.model, "linear_attention_layers", None))
         linear_states = allocate_linear_states(self.model_config, config.max_num_seqs, self.dtype, self.device) \
             if self.is_hybrid else None
-        self.block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching and not self.is_hybrid)
-        self.scheduler = Scheduler(KVCacheManager(self.block_pool, config.block_size),
-                                   config.max_num_seqs, config.max_num_batched_tokens,
-                                   StateSlotPool(config.max_num_seqs) if self.is_hybrid else None)
+        self.block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        kv_manager = KVCacheManager(self.block_pool, config.block_size, reuse_blocks_alone=not self.is_hybrid)
+        self.checkpointer = None
+        if self.is_hybrid and config.enable_state_checkpoints and config.enable_prefix_caching:
+            self.checkpointer = Checkpointer(CheckpointPool(config.checkpoint_bytes), kv_manager, kv_caches,
+                                             linear_states, save_turn_ends=True, every=config.checkpoint_every)
+        self.scheduler = Scheduler(kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   StateSlotPool(config.max_num_seqs) if self.is_hybrid else None, self.checkpointer)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, linear_states)
         model_len = config.context_len(self.model_config.max_position_embeddings)
         # A request that fits the context must fit the pool alone, or it could never finish.
@@ -114,6 +120,10 @@ class Engine:
         self.requests[req.request_id] = req
         self.origins[req.request_id] = request
         self.outputs[req.request_id] = RequestOutput(req, self.tokenizer, self.token_texts, self.reasoning_end_id)
+        if self.checkpointer is not None:
+            # The history boundary: where the kept ids end, or where the new messages start in the render.
+            boundary = num_retained or (request.new_turn_span[0] if request.new_turn_span else 0)
+            self.checkpointer.plan(req, [boundary, *request.checkpoint_positions])
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:
@@ -139,6 +149,8 @@ class Engine:
         output: ModelRunnerOutput = self.runner.run(scheduled)
         for item in scheduled:
             item.request.collected_prompt_logprobs += output.prompt_logprobs.get(item.request.request_id, [])
+        if self.checkpointer is not None:
+            self.checkpointer.after_forward(scheduled, output.last_hidden)
         updated = self.scheduler.postprocess(scheduled, output.token_ids)
         self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(updated)

@@ -32,6 +32,7 @@ class ModelRunnerOutput:
     token_ids: list[int]  # one per sampling row, in scheduled order
     logprobs: list[PositionLogprobs | None]  # one per sampling row; None where not asked
     prompt_logprobs: dict[str, list[PositionLogprobs]]  # request id -> this step's prompt positions, in order
+    last_hidden: torch.Tensor | None = None  # hybrid models: [S, hidden], each item's last row (for checkpoints)
 
 
 class ModelRunner:
@@ -50,16 +51,29 @@ class ModelRunner:
         batch = self.prepare(scheduled)
         if self.linear_states is None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch)  # [T, hidden]
+            last_hidden = None
+            sample_hidden = hidden[batch.logits_indices]  # [R, hidden]
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch,
-                                self._linear_state(scheduled, batch))
-        prompt_logprobs = self._prompt_logprobs(hidden, scheduled)
-        if batch.logits_indices.numel() == 0:
-            return ModelRunnerOutput([], [], prompt_logprobs)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [R, vocab] float32
+                                self._linear_state(scheduled, batch)) if batch.input_ids.numel() else None
+            last_hidden = self._last_hidden(hidden, batch, scheduled)  # [S, hidden]
+            sample_hidden = last_hidden[[i for i, item in enumerate(scheduled) if item.samples]]
+        prompt_logprobs = self._prompt_logprobs(hidden, scheduled) if hidden is not None else {}
+        if sample_hidden.shape[0] == 0:
+            return ModelRunnerOutput([], [], prompt_logprobs, last_hidden)
+        logits = self.model.compute_logits(sample_hidden)  # [R, vocab] float32
         sampling_requests = [item.request for item in scheduled if item.samples]
         sampled = self.sampler(logits, sampling_requests)
-        return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs)
+        return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs, last_hidden)
+
+    @staticmethod
+    def _last_hidden(hidden: torch.Tensor | None, batch, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """Each item's last row; an item with no token to compute (a whole-prompt checkpoint hit) takes
+        the hidden row its checkpoint saved. -> [S, hidden]"""
+        ends = batch.cu_seqlens[1:].tolist()
+        rows = [hidden[end - 1] if item.num_tokens else item.request.restored_hidden
+                for item, end in zip(scheduled, ends)]
+        return torch.stack(rows)
 
     def _linear_state(self, scheduled: list[ScheduledRequest], batch) -> LinearStateBatch:
         """Each sequence's state slot; a sequence with nothing computed yet starts from zeros."""

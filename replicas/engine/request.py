@@ -46,6 +46,9 @@ class Request:
     retention: str = "off"  # which path the prompt took (replicas/engine/retention.py)
     block_table: list[int] = field(default_factory=list)
     state_slot: int | None = None  # hybrid models: the recurrent-state slot this sequence owns while running
+    checkpoint_positions: set[int] = field(default_factory=set)  # hybrid: save the state after these many tokens
+    last_hidden: torch.Tensor | None = None  # hybrid: final hidden row of the last token fed forward
+    restored_hidden: torch.Tensor | None = None  # hybrid: a whole-prompt checkpoint's row, to sample from
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks of token_ids
     num_registered_blocks: int = 0  # leading blocks whose hashes are registered in the pool
     status: RequestStatus = RequestStatus.WAITING
@@ -69,6 +72,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def tokens_to_next_checkpoint(self) -> int:
+        """How far a chunk may run so it ends on the next checkpoint position (no limit without one)."""
+        return min((p - self.num_computed_tokens for p in self.checkpoint_positions if p > self.num_computed_tokens),
+                   default=1 << 30)
 
     @property
     def output_token_ids(self) -> list[int]:

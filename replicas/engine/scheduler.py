@@ -31,9 +31,10 @@ class ScheduledRequest:
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 state_slots: StateSlotPool | None = None):
+                 state_slots: StateSlotPool | None = None, checkpointer=None):
         self.kv_manager = kv_manager
         self.state_slots = state_slots  # hybrid models only: one recurrent-state slot per running sequence
+        self.checkpointer = checkpointer  # hybrid models only: restores on admission, saves at turn ends
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -54,7 +55,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget,
+                             request.tokens_to_next_checkpoint())
             while not self.kv_manager.allocate_slots(request, num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -68,18 +70,28 @@ class Scheduler:
         # waiting: a new (or preempted) request holds no blocks; admission reuses its cached prefix
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_tokens = self.kv_manager.admit(request, budget)
+            num_tokens = self._admit(request, budget)
             if num_tokens is None:
                 break
             self._count_cached(request)
-            if self.state_slots is not None:
-                request.state_slot = self.state_slots.allocate()
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
         return scheduled
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        if self.state_slots is not None:
+            request.state_slot = self.state_slots.allocate()  # a restore copies state into it
+        if self.checkpointer is not None:
+            num_tokens = self.checkpointer.admit(request, budget)
+        else:
+            num_tokens = self.kv_manager.admit(request, min(budget, request.tokens_to_next_checkpoint()))
+        if num_tokens is None and request.state_slot is not None:
+            self.state_slots.free(request.state_slot)
+            request.state_slot = None
+        return num_tokens
 
     def _count_cached(self, request: Request) -> None:
         num_cached_prompt = min(request.num_computed_tokens, request.num_prompt_tokens)
@@ -93,6 +105,7 @@ class Scheduler:
         if request.state_slot is not None:
             self.state_slots.free(request.state_slot)
             request.state_slot = None
+        request.last_hidden = request.restored_hidden = None
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -131,5 +144,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if self.checkpointer is not None and request.state_slot is not None:
+            self.checkpointer.on_finish(request, status)  # the turn's end, while the slot still holds it
         self._release(request)
         request.status = status

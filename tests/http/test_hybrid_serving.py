@@ -1,32 +1,53 @@
-"""A hybrid (Qwen3.5-text) checkpoint served by the same routes: chat, streaming, a retained second turn."""
+"""A hybrid (Qwen3.5-text) checkpoint served by the same routes. Over a 6-turn chat whose prompts stay
+under 300 tokens (where block-aligned caching reports nothing), each turn from the second computes at
+most its new ids + 2, usage agrees with the engine's counter, and the replies equal a cold run's; the same
+with a template that rewrites earlier turns."""
 
 import openai
 import pytest
 
-
-@pytest.fixture(scope="module")
-def hybrid(tiny_hybrid_dir, start_server):
-    return start_server(own_replica=True, model=str(tiny_hybrid_dir))
+from tests.http.test_multiturn import QWEN_STYLE_TEMPLATE, converse
 
 
-def test_hybrid_model_serves_chat_and_keeps_turn_ids(hybrid):
-    client = openai.OpenAI(base_url=hybrid.base_url + "/v1", api_key="unused", max_retries=0)
-    messages = [{"role": "user", "content": "Hello hybrid!"}]
-    one = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                         extra_body={"return_token_ids": True}).to_dict()
-    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                              stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) \
-        == one["choices"][0]["message"]["content"]
-    follow_up = messages + [{"role": "assistant", "content": one["choices"][0]["message"]["content"]},
-                            {"role": "user", "content": "And then?"}]
-    two = client.chat.completions.create(model="tiny", messages=follow_up, max_tokens=6, temperature=0,
-                                         extra_body={"return_token_ids": True}).to_dict()
-    kept = one["prompt_token_ids"] + one["choices"][0]["token_ids"]
-    assert two["usage"]["prompt_tokens_details"]["retention"] == "retained"
-    assert two["prompt_token_ids"][:len(kept)] == kept
-    # No state checkpoints yet: the whole prompt is recomputed, and usage says so.
-    assert two["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+def with_template(model_dir, tmp_path_factory, template: str):
+    from replicas.tokenizer import load_tokenizer
+
+    out = tmp_path_factory.mktemp("hybrid-template")
+    tokenizer = load_tokenizer(model_dir)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(out))
+    for name in ("config.json", "model.safetensors"):
+        (out / name).symlink_to(model_dir / name)
+    return out
+
+
+@pytest.fixture(scope="module", params=["smollm2-template", "qwen-style-template"])
+def servers(request, tiny_hybrid_dir, tmp_path_factory, start_server):
+    """(with checkpoints, cold: checkpoints off) over the same tiny hybrid model and template."""
+    model = tiny_hybrid_dir if request.param == "smollm2-template" \
+        else with_template(tiny_hybrid_dir, tmp_path_factory, QWEN_STYLE_TEMPLATE)
+    warm = start_server(own_replica=True, model=str(model))
+    cold = start_server(own_replica=True, model=str(model), engine={"enable_state_checkpoints": False})
+    return warm, cold
+
+
+def client_of(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_six_turns_cost_only_the_new_ids_plus_two(servers):
+    warm, cold = servers
+    turns = converse(client_of(warm), warm, "Hello hybrid! Name three rivers.", 6)
+    cold_turns = converse(client_of(cold), cold, "Hello hybrid! Name three rivers.", 6)
+    assert [t["text"] for t in turns] == [t["text"] for t in cold_turns]  # replies equal a cold run's
+    assert all(t["prompt_tokens"] < 300 for t in turns)
+    for prev, cur in zip(turns, turns[1:]):
+        kept = prev["prompt"] + prev["completion"]
+        assert cur["retention"] == "retained" and cur["prompt"][:len(kept)] == kept
+        num_new = len(cur["prompt"]) - len(kept)
+        assert cur["computed"] <= num_new + 2
+        assert cur["cached"] == cur["prompt_tokens"] - cur["computed"]
+    assert all(t["cached"] == 0 for t in cold_turns)  # without checkpoints a hybrid model reuses nothing
 
 
 if __name__ == "__main__":

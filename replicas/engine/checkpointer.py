@@ -1,0 +1,123 @@
+"""Checkpointer: a hybrid model's recurrent state saved at exact token boundaries and restored on admission.
+
+Saved (only where a policy will consume it, never twice for one boundary; copies only the state
+slot, the partial last block's KV and one hidden row, never the shared full blocks):
+- at a request's checkpoint positions (the history boundary of a chat turn; every K prompt tokens
+  when configured): the scheduler ends a prefill chunk there, so the state exists at that token;
+- at the end of a finished turn: the last position fed forward (prompt + generated ids but the last
+  sampled one, which never ran through the model); the next turn prefills from there.
+
+Restored when a request's leading ids are exactly a checkpoint's and the full blocks it needs are
+still in the prefix cache (else the next shorter checkpoint, else from zero): full blocks shared,
+tail KV copied into a fresh block, state copied into the request's slot. A checkpoint covering the
+whole prompt leaves nothing to compute: the first token is sampled from its saved hidden row.
+"""
+
+import torch
+
+from replicas.cache.checkpoints import Checkpoint, CheckpointPool
+from replicas.cache.kv_cache_manager import KVCacheManager
+from replicas.engine.request import Request, RequestStatus
+from replicas.models.gated_deltanet import LinearLayerState
+
+
+class Checkpointer:
+    def __init__(self, pool: CheckpointPool, kv_manager: KVCacheManager,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], linear_states: list[LinearLayerState],
+                 save_turn_ends: bool, every: int):
+        self.pool = pool
+        self.kv_manager = kv_manager
+        self.kv_caches = kv_caches
+        self.linear_states = linear_states
+        self.block_size = kv_manager.block_size
+        self.save_turn_ends = save_turn_ends
+        self.every = every  # 0: off
+
+    def plan(self, request: Request, boundaries: list[int]) -> None:
+        """Sets where the request's state is saved on the way: the given boundaries, every K prompt tokens."""
+        positions = set(p for p in boundaries if 0 < p < request.num_prompt_tokens)
+        if self.every:
+            positions.update(range(self.every, request.num_prompt_tokens, self.every))
+        request.checkpoint_positions = positions
+
+    # -- restore -------------------------------------------------------------
+
+    def admit(self, request: Request, budget: int) -> int | None:
+        """Starts a request that holds no blocks (its state slot is already assigned): from the longest
+        usable checkpoint, else from zero. Returns the tokens to compute now (0: a whole-prompt hit),
+        or None (and no change) if the pool is short."""
+        if not request.needs_prompt_logits:
+            for checkpoint in self.pool.lookup(request.token_ids, request.num_tokens):
+                num_tokens = self._restore(request, checkpoint, budget)
+                if num_tokens is not False:
+                    return num_tokens
+        return self.kv_manager.admit(request, min(budget, request.tokens_to_next_checkpoint()))
+
+    def _restore(self, request: Request, checkpoint: Checkpoint, budget: int):
+        """-> tokens to compute, None if the pool is short, False if the checkpoint's blocks are gone."""
+        num_full = checkpoint.num_tokens // self.block_size
+        self.kv_manager.update_hashes(request)
+        full = [self.kv_manager.pool.find(h) for h in request.block_hashes[:num_full]]
+        if None in full:
+            return False  # a full block was evicted: this checkpoint cannot be used alone
+        request.num_computed_tokens = checkpoint.num_tokens  # so the next-checkpoint cap counts from here
+        num_new = min(request.num_tokens - checkpoint.num_tokens, budget, request.tokens_to_next_checkpoint())
+        request.num_computed_tokens = 0
+        pool = self.kv_manager.pool
+        num_needed = self.kv_manager.num_blocks_for(checkpoint.num_tokens + num_new) - num_full
+        if num_needed > pool.num_free_blocks - sum(1 for b in full if pool.ref_counts[b] == 0):
+            return None
+        pool.touch(full)
+        request.block_table = full + pool.allocate(num_needed)
+        request.num_registered_blocks = num_full
+        request.num_computed_tokens = checkpoint.num_tokens
+        self._copy_in(request, checkpoint)
+        request.restored_hidden = checkpoint.hidden if num_new == 0 else None
+        request.last_hidden = checkpoint.hidden
+        self.pool.touch(request.token_ids[:checkpoint.num_tokens])
+        return num_new
+
+    def _copy_in(self, request: Request, checkpoint: Checkpoint) -> None:
+        slot = request.state_slot
+        for layer, conv, recurrent in zip(self.linear_states, checkpoint.conv_states, checkpoint.recurrent_states):
+            layer.conv_state[slot].copy_(conv)
+            layer.recurrent_state[slot].copy_(recurrent)
+        tail = checkpoint.num_tokens % self.block_size
+        if tail:
+            block = request.block_table[checkpoint.num_tokens // self.block_size]
+            for (k_cache, v_cache), (k, v) in zip(self.kv_caches, checkpoint.tail_kv):
+                k_cache[block, :tail].copy_(k)
+                v_cache[block, :tail].copy_(v)
+
+    # -- save ------------------------------------------------------------------
+
+    def after_forward(self, scheduled, last_hidden: torch.Tensor) -> None:
+        """After a step's forward, before its bookkeeping: keep each sequence's last hidden row, and save
+        where a chunk ended on a checkpoint position. last_hidden: [S, hidden], one row per scheduled item."""
+        for i, item in enumerate(scheduled):
+            if item.num_tokens == 0:
+                continue
+            request = item.request
+            request.last_hidden = last_hidden[i]
+            num_computed = request.num_computed_tokens + item.num_tokens
+            if num_computed in request.checkpoint_positions:
+                self.save(request, num_computed)
+
+    def on_finish(self, request: Request, status: RequestStatus) -> None:
+        """The end of a turn, before the slot is freed: the state after the last token fed forward."""
+        if self.save_turn_ends and status != RequestStatus.FINISHED_ABORTED and request.last_hidden is not None \
+                and request.num_computed_tokens > 0 and not request.needs_prompt_logits:
+            self.save(request, request.num_computed_tokens)
+
+    def save(self, request: Request, num_tokens: int) -> None:
+        ids = request.token_ids[:num_tokens]
+        if self.pool.has(ids):
+            return  # never twice for one boundary
+        slot = request.state_slot
+        tail = num_tokens % self.block_size
+        block = request.block_table[num_tokens // self.block_size] if tail else None
+        tail_kv = [(k[block, :tail].clone(), v[block, :tail].clone()) if tail else (k[:0, 0], v[:0, 0])
+                   for k, v in self.kv_caches]
+        self.pool.save(ids, Checkpoint(num_tokens, [layer.conv_state[slot].clone() for layer in self.linear_states],
+                                       [layer.recurrent_state[slot].clone() for layer in self.linear_states],
+                                       tail_kv, request.last_hidden.clone()))
