@@ -1,6 +1,7 @@
 """Multi-turn chat: what each turn costs with retention on, retention off, and the prefix cache disabled.
 
     python bench/multiturn.py [--turns 8] [--reply-tokens 32] [--reps 3] [--dtype auto]
+    python bench/multiturn.py --hybrid      # a random-weight Qwen3.5-text hybrid: state checkpoints on vs off
 
 Three local servers (the production routes over one in-process replica each, no
 Ray), one per mode, run one after another on the same 8-turn conversation
@@ -19,6 +20,16 @@ import openai
 from serve_app.config import AppConfig
 from serve_app.local_server import LocalServer
 
+HYBRID_MODES = {
+    "checkpoints on": ({}, True),
+    "checkpoints off": ({"enable_state_checkpoints": False}, True),
+}
+# A random-weight hybrid of SmolLM2's width (no hub: no real Qwen3.5 weights here); 3 linear layers per full one.
+HYBRID_CONFIG = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=9,
+                     num_key_value_heads=3, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                     linear_key_head_dim=64, linear_value_head_dim=64,
+                     layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
+                     + ["full_attention"])
 MODES = {  # name -> (engine overrides, per-request retain_token_ids)
     "retention on": ({}, True),
     "retention off": ({}, False),
@@ -85,6 +96,20 @@ def report(name: str, reps: list[list[dict]], turns: int, block_size: int) -> No
           f"prefilled <= new + one block ({block_size}) on every turn of every conversation: {within}")
 
 
+def random_hybrid(tokenizer_model: str) -> str:
+    """Builds (once, in the cache) a random-weight hybrid checkpoint with the given model's tokenizer."""
+    import sys
+    from pathlib import Path
+
+    from replicas.models.prepare import default_cache_dir, prepare_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.tiny_hybrid import make_tiny_qwen3_5
+
+    out = default_cache_dir() / "models" / "random-qwen3_5-text-576"
+    return str(make_tiny_qwen3_5(out, prepare_model(tokenizer_model, progress=False), **HYBRID_CONFIG))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -92,9 +117,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--reply-tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--hybrid", action="store_true", help="a random-weight Qwen3.5-text hybrid model")
     args = parser.parse_args()
+    if args.hybrid:
+        args.model = random_hybrid(args.model)
     results = {}
-    for name, (engine, retain) in MODES.items():
+    for name, (engine, retain) in (HYBRID_MODES if args.hybrid else MODES).items():
         config = AppConfig(model=args.model, dtype=args.dtype, engine={"num_threads": 2, **engine})
         server = LocalServer(config)
         try:
