@@ -32,3 +32,15 @@ def make_tiny_llama(out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrid
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
+
+
+def with_chat_template(model_dir: Path, out_dir: Path, template: str) -> Path:
+    """A view of model_dir (weights and config linked) whose tokenizer has another chat template."""
+    from replicas.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(out_dir))
+    for name in ("config.json", "model.safetensors"):
+        (out_dir / name).symlink_to(model_dir / name)
+    return out_dir

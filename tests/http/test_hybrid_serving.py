@@ -7,25 +7,14 @@ import openai
 import pytest
 
 from tests.http.test_multiturn import QWEN_STYLE_TEMPLATE, converse
-
-
-def with_template(model_dir, tmp_path_factory, template: str):
-    from replicas.tokenizer import load_tokenizer
-
-    out = tmp_path_factory.mktemp("hybrid-template")
-    tokenizer = load_tokenizer(model_dir)
-    tokenizer.chat_template = template
-    tokenizer.save_pretrained(str(out))
-    for name in ("config.json", "model.safetensors"):
-        (out / name).symlink_to(model_dir / name)
-    return out
+from tests.tiny_models import with_chat_template
 
 
 @pytest.fixture(scope="module", params=["smollm2-template", "qwen-style-template"])
 def servers(request, tiny_hybrid_dir, tmp_path_factory, start_server):
     """(with checkpoints, cold: checkpoints off) over the same tiny hybrid model and template."""
     model = tiny_hybrid_dir if request.param == "smollm2-template" \
-        else with_template(tiny_hybrid_dir, tmp_path_factory, QWEN_STYLE_TEMPLATE)
+        else with_chat_template(tiny_hybrid_dir, tmp_path_factory.mktemp("hybrid-qwen-style"), QWEN_STYLE_TEMPLATE)
     warm = start_server(own_replica=True, model=str(model))
     cold = start_server(own_replica=True, model=str(model), engine={"enable_state_checkpoints": False})
     return warm, cold

@@ -6,6 +6,7 @@ import openai
 import pytest
 
 from tests.http.conftest import MODEL
+from tests.tiny_models import with_chat_template
 
 BLOCK = 16  # the engine's default block size
 QWEN_STYLE_TEMPLATE = (
@@ -68,14 +69,7 @@ def test_six_turns_cost_only_what_each_added(client, http):
 @pytest.fixture(scope="module")
 def qwen_style(tiny_llama_dir, tmp_path_factory, start_server):
     """The tiny model with a test-local template that rewrites earlier turns."""
-    from replicas.tokenizer import load_tokenizer
-
-    model_dir = tmp_path_factory.mktemp("qwen-style")
-    tokenizer = load_tokenizer(tiny_llama_dir)
-    tokenizer.chat_template = QWEN_STYLE_TEMPLATE
-    tokenizer.save_pretrained(str(model_dir))
-    for name in ("config.json", "model.safetensors"):
-        (model_dir / name).symlink_to(tiny_llama_dir / name)
+    model_dir = with_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("qwen-style"), QWEN_STYLE_TEMPLATE)
     return start_server(own_replica=True, model=str(model_dir))
 
 

@@ -31,24 +31,27 @@ def use_fla(x: torch.Tensor) -> bool:
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False):
-    if not use_fla(q):
-        return naive_chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                            cu_seqlens, use_qk_l2norm_in_kernel)
-    q, k = _expand_heads(q, k, v)
-    return _fla_ops()[0](q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    """Prefill: fla's chunked Triton kernel on CUDA, else the reference."""
+    return _dispatch(0, naive_chunk_gated_delta_rule, q, k, v, g, beta, scale, initial_state, output_final_state,
+                     cu_seqlens, use_qk_l2norm_in_kernel)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                      cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+    """Decode: fla's fused recurrent Triton kernel on CUDA, else the reference."""
+    return _dispatch(1, naive_recurrent_gated_delta_rule, q, k, v, g, beta, scale, initial_state,
+                     output_final_state, cu_seqlens, use_qk_l2norm_in_kernel)
+
+
+def _dispatch(which: int, reference, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+              use_qk_l2norm_in_kernel):
     if not use_fla(q):
-        return naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                cu_seqlens, use_qk_l2norm_in_kernel)
+        return reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                         use_qk_l2norm_in_kernel)
     q, k = _expand_heads(q, k, v)
-    return _fla_ops()[1](q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return _fla_ops()[which](q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 def _expand_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
