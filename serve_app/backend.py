@@ -32,7 +32,10 @@ class HandleBackend:
         self.handle = handle
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        from ray.serve.exceptions import BackPressureError
+        """A replica that dies mid-request costs this request a clean 503 (or an SSE error event), never a
+        wrong answer; the conversation's next turn is routed to a live replica and re-prefilled there."""
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
         response = self.handle.options(stream=True).generate.remote(request)
         try:
@@ -41,6 +44,9 @@ class HandleBackend:
         except BackPressureError as exc:
             raise RequestError("all model replicas are busy; retry shortly", status_code=503,
                                type="server_overloaded") from exc
+        except (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError) as exc:
+            raise RequestError("the model replica serving this request went away; retry the request",
+                               status_code=503, type="server_unavailable") from exc
         finally:
             response.cancel()
 

@@ -90,6 +90,48 @@ def test_bad_request_is_a_400_through_serve(serve_app):
     assert err.value.body["param"] == "temperature"
 
 
+def test_a_replica_that_dies_fails_only_its_requests_cleanly(serve_app, replica_ids):
+    """Last in this module: it kills a replica. The stream on it ends with an error event and [DONE];
+    afterwards every conversation's next turn succeeds (re-prefilled on a live replica)."""
+    import json
+    import time
+
+    import httpx
+    import ray
+
+    c = client(serve_app)
+    conversations = conversations_covering(replica_ids, per_replica=1)
+    histories = {}
+    for first in conversations:
+        messages = [SYSTEM, {"role": "user", "content": first}]
+        reply = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+        histories[first] = messages + [{"role": "assistant", "content": reply.choices[0].message.content},
+                                       {"role": "user", "content": "go on"}]
+    doomed = conversations[0]
+    body = {"model": MODEL, "messages": histories[doomed], "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=serve_app, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            victim = response.headers[REPLICA_HEADER]
+            lines = response.iter_lines()
+            seen = [next(lines) for _ in range(4)]
+            ray.kill(ray.get_actor(f"SERVE_REPLICA::tether#ModelReplica#{victim}", namespace="serve"),
+                     no_restart=True)
+            events = [line.removeprefix("data: ") for line in [*seen, *lines] if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "went away" in error["message"]
+    streamed = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-2])
+    time.sleep(2)  # the handles learn of the death
+    for first, messages in histories.items():  # every later turn succeeds, the doomed one included
+        reply = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 4
+        if first == doomed:  # re-prefilled elsewhere, the same greedy tokens as before the death
+            text = reply.choices[0].message.content
+            assert streamed.startswith(text) or text.startswith(streamed)
+
+
 if __name__ == "__main__":
     import sys
 
