@@ -90,11 +90,29 @@ def test_bad_request_is_a_400_through_serve(serve_app):
     assert err.value.body["param"] == "temperature"
 
 
+def wait_for_replacement(victim: str, timeout_s: float = 60.0) -> None:
+    """Until Serve runs 2 healthy ModelReplicas again, none of them the dead one (the handles' routers
+    learn the new set from the controller)."""
+    import time
+
+    import ray
+    from ray import serve
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        deployment = serve.status().applications["tether"].deployments["ModelReplica"]
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        if deployment.replica_states.get("RUNNING", 0) == 2 and not any(victim in n for n in names):
+            time.sleep(1)
+            return
+        time.sleep(0.5)
+    raise AssertionError("the dead replica was not replaced in time")
+
+
 def test_a_replica_that_dies_fails_only_its_requests_cleanly(serve_app, replica_ids):
     """Last in this module: it kills a replica. The stream on it ends with an error event and [DONE];
     afterwards every conversation's next turn succeeds (re-prefilled on a live replica)."""
     import json
-    import time
 
     import httpx
     import ray
@@ -122,7 +140,7 @@ def test_a_replica_that_dies_fails_only_its_requests_cleanly(serve_app, replica_
     error = json.loads(events[-2])["error"]
     assert "went away" in error["message"]
     streamed = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-2])
-    time.sleep(2)  # the handles learn of the death
+    wait_for_replacement(victim)
     for first, messages in histories.items():  # every later turn succeeds, the doomed one included
         reply = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                           extra_body={"ignore_eos": True})
