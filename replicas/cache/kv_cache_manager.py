@@ -56,16 +56,21 @@ class KVCacheManager:
         hit = self.match_prefix(request)
         num_cached = len(hit) * self.block_size
         num_new = min(request.num_tokens - num_cached, num_new_tokens_budget)
-        num_needed = self.num_blocks_for(num_cached + num_new) - len(hit)
+        return num_new if self.take(request, hit, num_cached, num_new) else None
+
+    def take(self, request: Request, shared: list[int], num_computed: int, num_new: int) -> bool:
+        """Gives a request that holds no blocks the cached full blocks `shared` (its first tokens, up to
+        `num_computed`) and fresh blocks for the rest and `num_new` more. False (and no change) if short."""
+        num_needed = self.num_blocks_for(num_computed + num_new) - len(shared)
         # Touching a free cached block takes it out of the free queue, so count those too.
-        num_free_hits = sum(1 for b in hit if self.pool.ref_counts[b] == 0)
-        if num_needed > self.pool.num_free_blocks - num_free_hits:
-            return None
-        self.pool.touch(hit)
-        request.block_table = hit + self.pool.allocate(num_needed)
-        request.num_computed_tokens = num_cached
-        request.num_registered_blocks = len(hit)
-        return num_new
+        num_free_shared = sum(1 for b in shared if self.pool.ref_counts[b] == 0)
+        if num_needed > self.pool.num_free_blocks - num_free_shared:
+            return False
+        self.pool.touch(shared)
+        request.block_table = shared + self.pool.allocate(num_needed)
+        request.num_computed_tokens = num_computed
+        request.num_registered_blocks = len(shared)
+        return True
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` after the computed ones; False (and no change) if the pool is short."""

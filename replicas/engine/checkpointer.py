@@ -60,17 +60,10 @@ class Checkpointer:
         full = [self.kv_manager.pool.find(h) for h in request.block_hashes[:num_full]]
         if None in full:
             return False  # a full block was evicted: this checkpoint cannot be used alone
-        request.num_computed_tokens = checkpoint.num_tokens  # so the next-checkpoint cap counts from here
-        num_new = min(request.num_tokens - checkpoint.num_tokens, budget, request.tokens_to_next_checkpoint())
-        request.num_computed_tokens = 0
-        pool = self.kv_manager.pool
-        num_needed = self.kv_manager.num_blocks_for(checkpoint.num_tokens + num_new) - num_full
-        if num_needed > pool.num_free_blocks - sum(1 for b in full if pool.ref_counts[b] == 0):
+        num_new = min(request.num_tokens - checkpoint.num_tokens, budget,
+                      request.tokens_to_next_checkpoint(checkpoint.num_tokens))
+        if not self.kv_manager.take(request, full, checkpoint.num_tokens, num_new):
             return None
-        pool.touch(full)
-        request.block_table = full + pool.allocate(num_needed)
-        request.num_registered_blocks = num_full
-        request.num_computed_tokens = checkpoint.num_tokens
         self._copy_in(request, checkpoint)
         request.restored_hidden = checkpoint.hidden if num_new == 0 else None
         request.last_hidden = checkpoint.hidden

@@ -73,10 +73,11 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
-    def tokens_to_next_checkpoint(self) -> int:
-        """How far a chunk may run so it ends on the next checkpoint position (no limit without one)."""
-        return min((p - self.num_computed_tokens for p in self.checkpoint_positions if p > self.num_computed_tokens),
-                   default=1 << 30)
+    def tokens_to_next_checkpoint(self, start: int | None = None) -> int:
+        """How far a chunk from `start` (default: the computed tokens) may run so it ends on the next
+        checkpoint position; no limit without one."""
+        start = self.num_computed_tokens if start is None else start
+        return min((p - start for p in self.checkpoint_positions if p > start), default=1 << 30)
 
     @property
     def output_token_ids(self) -> list[int]:
