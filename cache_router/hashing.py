@@ -11,7 +11,9 @@ Contract (the router and the replicas must hash identically, in every process):
 - `history_key` names a conversation's exact history, chained per message so that a
   new turn extends the previous key by one step;
 - `rendezvous_rank` orders replicas by highest random weight: removing a replica only
-  moves the keys it owned.
+  moves the keys it owned;
+- `short_hash` is the compact form replicas report what they hold in (block hashes,
+  history keys): the first 8 bytes as an int.
 """
 
 import hashlib
@@ -57,6 +59,12 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
         prev = _digest(prev, _ids_bytes(token_ids[start:start + block_size]))
         hashes.append(prev)
     return hashes
+
+
+def short_hash(digest: bytes | str) -> int:
+    """The first 8 bytes of a digest (bytes, or its hex) as a signed int: what replicas report."""
+    raw = bytes.fromhex(digest[:16]) if isinstance(digest, str) else digest[:8]
+    return int.from_bytes(raw, "little", signed=True)
 
 
 def prefix_hash(token_ids: Sequence[int]) -> bytes:

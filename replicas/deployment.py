@@ -11,6 +11,8 @@ import logging
 
 from ray import serve
 
+from cache_router.hashing import short_hash
+
 from replicas.config import EngineConfig
 from replicas.device import set_threads
 from replicas.engine.async_engine import AsyncEngine
@@ -20,6 +22,8 @@ from replicas.metrics import ReplicaMetrics
 from replicas.models.prepare import prepare_model
 
 logger = logging.getLogger("ray.serve")
+
+MAX_REPORTED_BLOCKS = 1 << 16  # bounds one report to ~0.6 MB pickled
 
 
 def current_replica_id() -> str:
@@ -38,6 +42,9 @@ class ModelReplica:
         self.engine = AsyncEngine(Engine(config))
         self.replica_id = current_replica_id()
         self.metrics = ReplicaMetrics(self.replica_id)  # a no-op outside Ray
+        # Over the requests that came with the router's prediction for this replica.
+        self.routing = {"num_routed_requests": 0, "num_predicted_cached_tokens": 0,
+                        "num_delivered_cached_tokens": 0, "num_cache_shortfall_tokens": 0}
         logger.info("ModelReplica %s: %s, dtype %s, %d KV blocks, max_model_len %d, %d threads",
                     self.replica_id, config.model, self.engine.engine.dtype,
                     self.engine.engine.block_pool.num_blocks, self.engine.engine.max_model_len, num_threads)
@@ -45,7 +52,21 @@ class ModelReplica:
     async def generate(self, request: GenerateRequest):
         async for delta in self.engine.generate(request):
             delta.replica_id = self.replica_id
+            if delta.finish_reason is not None:
+                self._record_routing(request, delta.num_cached_tokens)
             yield delta
+
+    def _record_routing(self, request: GenerateRequest, delivered: int) -> None:
+        """The router's prediction for this replica vs the cached tokens it delivered: a shortfall is
+        a prefix the router believed here that was not (evicted, or its knowledge was stale)."""
+        predicted = request.predicted_cached_tokens.get(self.replica_id)
+        if predicted is None:
+            return
+        shortfall = max(0, predicted - delivered)
+        for key, value in (("num_routed_requests", 1), ("num_predicted_cached_tokens", predicted),
+                           ("num_delivered_cached_tokens", delivered), ("num_cache_shortfall_tokens", shortfall)):
+            self.routing[key] += value
+        self.metrics.record_routed(predicted, delivered, shortfall)
 
     def model_info(self) -> dict:
         engine = self.engine.engine
@@ -59,13 +80,22 @@ class ModelReplica:
         return {**vars(engine.stats), "replica_id": self.replica_id,
                 "num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting),
                 "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
-                "num_preemptions": engine.scheduler.num_preemptions}
+                "num_preemptions": engine.scheduler.num_preemptions, **self.routing}
 
     def record_routing_stats(self) -> dict:
-        """Serve calls this every `request_routing_stats_period_s`; it also exports the replica's metrics."""
+        """What this replica holds, for the routers (cache_router/knowledge.py); Serve calls it every
+        `request_routing_stats_period_s`. It also exports the replica's metrics.
+
+        -> {"blocks": short hashes of the cached KV blocks (the newest MAX_REPORTED_BLOCKS),
+            "conversations": short history keys of the retained conversations, "num_running", "num_waiting"}
+        """
         stats = self.engine_stats()
         self.metrics.update(stats)
-        return {"num_running": stats["num_running"], "num_waiting": stats["num_waiting"]}
+        engine = self.engine.engine
+        blocks = engine.block_pool.cached_hashes()[-MAX_REPORTED_BLOCKS:]
+        return {"num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
+                "blocks": [short_hash(h) for h in blocks],
+                "conversations": [short_hash(k) for k in engine.retention.store.keys()]}
 
     def check_health(self) -> None:
         if not self.engine.is_healthy:

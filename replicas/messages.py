@@ -63,6 +63,10 @@ class GenerateRequest:
     retention: str = "off"  # the ingress's verdict: "off", "first turn", "span", "fallback: <why>"
     # Recurrent checkpoints (a later step).
     checkpoint_positions: list[int] = field(default_factory=list)
+    # Written by the router (cache_router/router.py): prompt tokens it expects each replica to serve
+    # from cache, and the policy step that chose; the replica reports predicted vs delivered.
+    predicted_cached_tokens: dict[str, int] = field(default_factory=dict)
+    route_reason: str = ""
 
 
 @dataclass(slots=True)

@@ -23,6 +23,15 @@ COUNTERS = {
     "num_generated_tokens": ("tether_replica_generated_tokens", "Tokens generated."),
     "num_preemptions": ("tether_replica_preemptions", "Sequences preempted for lack of KV blocks."),
 }
+# Per routed request (one that carried the router's prediction for this replica).
+ROUTED = {
+    "predicted": ("tether_replica_predicted_cached_tokens",
+                  "Prompt tokens the router predicted this replica serves from cache."),
+    "delivered": ("tether_replica_delivered_cached_tokens",
+                  "Prompt tokens this replica served from cache, for requests that came with a prediction."),
+    "shortfall": ("tether_replica_cache_shortfall_tokens",
+                  "Predicted cached tokens that were not there (evicted, or the router's knowledge was stale)."),
+}
 GAUGES = {
     "num_running": ("tether_replica_running_sequences", "Sequences in the running batch."),
     "num_waiting": ("tether_replica_waiting_sequences", "Sequences waiting to be scheduled."),
@@ -43,6 +52,7 @@ class ReplicaMetrics:
         self.is_enabled = ray.is_initialized()
         self._last: dict[str, int] = {key: 0 for key in COUNTERS}
         self._counters = {}
+        self._routed = {}
         self._gauges = {}
         if not self.is_enabled:
             return
@@ -51,8 +61,18 @@ class ReplicaMetrics:
         tags = {"replica": replica_id}
         for key, (name, description) in COUNTERS.items():
             self._counters[key] = Counter(name, description, tag_keys=TAG_KEYS).set_default_tags(tags)
+        for key, (name, description) in ROUTED.items():
+            self._routed[key] = Counter(name, description, tag_keys=TAG_KEYS).set_default_tags(tags)
         for key, (name, description) in GAUGES.items():
             self._gauges[key] = Gauge(name, description, tag_keys=TAG_KEYS).set_default_tags(tags)
+
+    def record_routed(self, predicted: int, delivered: int, shortfall: int) -> None:
+        """One finished request that came with the router's prediction for this replica."""
+        if not self.is_enabled:
+            return
+        for key, value in (("predicted", predicted), ("delivered", delivered), ("shortfall", shortfall)):
+            if value > 0:  # Ray's Counter.inc rejects 0
+                self._routed[key].inc(value)
 
     def update(self, stats: dict) -> None:
         if not self.is_enabled:

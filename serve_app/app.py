@@ -44,10 +44,7 @@ def build_app(args: dict) -> serve.Application:
         max_ongoing_requests=engine.max_num_seqs,
         max_queued_requests=config.replica_max_queued_requests,
         ray_actor_options={"num_cpus": config.replica_num_cpus},
-        request_router_config=RequestRouterConfig(
-            request_router_class=ConversationRouter,
-            request_router_kwargs={"imbalance_threshold": config.router.imbalance_threshold,
-                                   "max_wait_s": config.router.max_wait_s}),
+        request_router_config=router_config(config),
     )
     if config.num_replicas == "auto":
         replica_options["autoscaling_config"] = AutoscalingConfig(min_replicas=1, max_replicas=4)
@@ -61,6 +58,20 @@ def build_app(args: dict) -> serve.Application:
         max_queued_requests=config.ingress.max_queued_requests, ray_actor_options={"num_cpus": 0})
     logger.info("Tether: %s as %r, %s replica(s)", model_dir, config.model_name(), config.num_replicas)
     return ingress.bind(config.model_dump(), replicas.bind(engine.model_dump()))
+
+
+def router_config(config: AppConfig) -> RequestRouterConfig:
+    """The ConversationRouter with the app's thresholds; replicas report what they hold every period."""
+    router = config.router
+    return RequestRouterConfig(
+        request_router_class=ConversationRouter,
+        request_router_kwargs={"imbalance_threshold": router.imbalance_threshold, "max_wait_s": router.max_wait_s,
+                               "min_prefix_blocks": router.min_prefix_blocks,
+                               "block_size": config.engine.block_size,
+                               # Own routing records outlive the report that will show them, with margin.
+                               "knowledge_ttl_s": 4 * router.stats_period_s},
+        request_routing_stats_period_s=router.stats_period_s,
+        request_routing_stats_timeout_s=max(router.stats_period_s, 3.0))
 
 
 def _parse_args(args: dict) -> dict:

@@ -31,6 +31,10 @@ class RouterConfig(BaseModel):
                                                           "replica's queue exceeds the shortest by more than this.")
     max_wait_s: float = Field(5.0, gt=0, description="Spill a request that waited this long for its replica.")
     num_route_blocks: int = Field(4, ge=1, description="Blocks of a token-id prompt that key its route.")
+    min_prefix_blocks: int = Field(4, ge=0, description="Blocks a replica's longer cached prefix must save over "
+                                                        "the conversation's rendezvous owner to win the request.")
+    stats_period_s: float = Field(2.0, gt=0, description="How often replicas report what they hold to the routers "
+                                                         "(Serve's request_routing_stats_period_s).")
 
 
 class AppConfig(BaseModel):

@@ -32,6 +32,10 @@ class BlockPool:
     def num_evictable_blocks(self) -> int:
         return sum(1 for block_id in self._free if self.block_hashes[block_id] is not None)
 
+    def cached_hashes(self) -> list[bytes]:
+        """A snapshot of the hashes whose KV is held (in use or free), oldest registered first."""
+        return list(self.cached)  # one C-level copy: safe to call from another thread
+
     def find(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
 

@@ -29,6 +29,10 @@ class RetainedStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def keys(self) -> list[str]:
+        """A snapshot of the stored history keys, least recently used first."""
+        return list(self._entries)
+
     def get(self, key: str, caller: str) -> list[int] | None:
         entry = self._entries.get(key)
         if entry is None or entry.caller != caller:
