@@ -176,8 +176,8 @@ class ConversationRouter(RequestRouter):
         conversation it holds; never the whole prompt (the last token is always computed)."""
         tokens = candidate.matched_blocks * self.block_size
         span = getattr(request, "new_turn_span", None)
-        if candidate.holds_conversation and span is not None:
-            tokens = max(tokens, span[0])
+        if candidate.holds_conversation and span is not None:  # the history, in whole blocks as cached
+            tokens = max(tokens, span[0] // self.block_size * self.block_size)
         return max(0, min(tokens, len(request.prompt_token_ids) - 1))
 
     def _by_load(self, replicas: List[RunningReplica]) -> List[RunningReplica]:

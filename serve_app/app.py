@@ -32,7 +32,8 @@ class Ingress:
         return make_api(self.server)
 
 
-def build_app(args: dict) -> serve.Application:
+def build_app(args: dict, *, request_router: RequestRouterConfig | None = None) -> serve.Application:
+    """`request_router` replaces the ConversationRouter (bench/routing.py compares Ray's own routers)."""
     config = AppConfig(**_parse_args(args))  # validated here, once, not on a replica
     engine = config.engine
     if os.path.exists(engine.model):
@@ -44,7 +45,7 @@ def build_app(args: dict) -> serve.Application:
         max_ongoing_requests=engine.max_num_seqs,
         max_queued_requests=config.replica_max_queued_requests,
         ray_actor_options={"num_cpus": config.replica_num_cpus},
-        request_router_config=router_config(config),
+        request_router_config=request_router or router_config(config),
     )
     if config.num_replicas == "auto":
         replica_options["autoscaling_config"] = AutoscalingConfig(min_replicas=1, max_replicas=4)

@@ -14,6 +14,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+METRICS_PORT = free_port()  # Ray's Prometheus export port for this run
+
+
+@pytest.fixture(scope="session")
+def metrics_url(serve_app) -> str:
+    return f"http://127.0.0.1:{METRICS_PORT}/metrics"
+
+
 @pytest.fixture(scope="session")
 def serve_app(tiny_llama_dir):
     import ray
@@ -21,7 +29,8 @@ def serve_app(tiny_llama_dir):
 
     from serve_app.app import build_app
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             _metrics_export_port=METRICS_PORT)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({"model": str(tiny_llama_dir), "served_model_name": MODEL, "num_replicas": 2,

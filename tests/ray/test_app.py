@@ -90,6 +90,81 @@ def test_bad_request_is_a_400_through_serve(serve_app):
     assert err.value.body["param"] == "temperature"
 
 
+def test_six_interleaved_conversations_stay_on_their_first_replica(serve_app, replica_ids):
+    """6 conversations x 4 turns, each round's 6 requests sent at once: every turn lands where the
+    conversation's first turn did, and turns 2+ are served from the ids that replica kept."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = client(serve_app)
+    histories = {first: [SYSTEM, {"role": "user", "content": first + " (interleaved)"}]
+                 for first in conversations_covering(replica_ids, per_replica=3)}
+    first_replica: dict[str, str] = {}
+
+    def turn(first: str, number: int) -> None:
+        raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=histories[first], max_tokens=5,
+                                                          temperature=0)
+        served = raw.headers[REPLICA_HEADER]
+        assert first_replica.setdefault(first, served) == served, f"turn {number} of {first!r} moved"
+        usage = raw.parse().usage
+        details = usage.prompt_tokens_details.to_dict()
+        assert details["retention"] == ("first turn" if number == 0 else "retained")
+        if number > 0:
+            assert usage.prompt_tokens_details.cached_tokens > 0
+        histories[first] = histories[first] + [{"role": "assistant", "content": raw.parse().choices[0].message.content},
+                                               {"role": "user", "content": f"and then {number}?"}]
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        for number in range(4):
+            list(pool.map(lambda first: turn(first, number), list(histories)))
+    assert set(first_replica.values()) == set(replica_ids)
+
+
+def scrape(url: str) -> dict[tuple[str, str], float]:
+    """{(metric name, replica tag): value summed over the other tags} from a Prometheus text page."""
+    import re
+    import urllib.request
+
+    totals: dict[tuple[str, str], float] = {}
+    for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
+        match = re.match(r'^(ray_tether_\w+)\{(.*)\} (\S+)$', line)
+        replica = match and re.search(r'(?:^|,)replica="([^"]*)"', match.group(2))
+        if replica:
+            key = (match.group(1), replica.group(1))
+            totals[key] = totals.get(key, 0.0) + float(match.group(3))
+    return totals
+
+
+def test_routing_metrics_per_replica_on_the_ray_metrics_port(serve_app, replica_ids, metrics_url):
+    """The router's predictions and each replica's delivered cached tokens, per replica, on Ray's port;
+    they agree with what the replicas count themselves."""
+    import time
+
+    from ray import serve
+
+    handle = serve.get_deployment_handle("ModelReplica", app_name="tether")
+    names = ["ray_tether_router_requests_total", "ray_tether_router_predicted_cached_tokens_total",
+             "ray_tether_replica_predicted_cached_tokens_total", "ray_tether_replica_delivered_cached_tokens_total"]
+    deadline = time.time() + 60  # Ray exports every few seconds
+    while True:
+        found = scrape(metrics_url)
+        if all((name, rid) in found for name in names for rid in replica_ids) or time.time() > deadline:
+            break
+        time.sleep(2)
+    missing = [(name, rid) for name in names for rid in replica_ids if (name, rid) not in found]
+    assert not missing, f"not exported: {missing}"
+    stats = {}
+    for _ in range(50):  # keyless calls go to the least loaded replica: ask until both answered
+        one = handle.engine_stats.remote().result()
+        stats[one["replica_id"]] = one
+        if len(stats) == len(replica_ids):
+            break
+    for rid in replica_ids:
+        assert found[("ray_tether_replica_predicted_cached_tokens_total", rid)] > 0
+        # Predictions are whole blocks of a history the replica kept: what it delivers matches them.
+        own = stats[rid]
+        assert own["num_delivered_cached_tokens"] >= 0.9 * own["num_predicted_cached_tokens"] > 0
+
+
 def wait_for_replacement(victim: str, timeout_s: float = 60.0) -> None:
     """Until Serve runs 2 healthy ModelReplicas again, none of them the dead one (the handles' routers
     learn the new set from the controller)."""

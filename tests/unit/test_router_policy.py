@@ -108,7 +108,7 @@ def test_the_replica_holding_the_conversation_wins_within_the_threshold():
     prompt = list(range(60))
     req = request(key, prompt, history=history, span=(50, 60))
     assert route(router, [a, b], req) == ["b"] and req.route_reason == "conversation"
-    assert req.predicted_cached_tokens == {"a": 0, "b": 50}  # the history part of the render
+    assert req.predicted_cached_tokens == {"a": 0, "b": 48}  # the history part of the render, whole blocks
     set_load(router, b, 3)  # 3 more than a's 0: beyond the threshold, the owner takes it
     set_load(router, a, 0)
     assert route(router, [a, b], req) == ["a"] and req.route_reason == "rendezvous"

