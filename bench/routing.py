@@ -164,6 +164,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads shared by replicas")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--json", help="also write every run's numbers here")
+    parser.add_argument("--routers", type=lambda text: text.split(","),
+                        default=["tether", "pow2", "prefix-aware", "single"],
+                        help="comma-separated subset of tether,pow2,prefix-aware,single")
     args = parser.parse_args()
 
     import ray
@@ -173,14 +176,15 @@ def main() -> None:
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     logging.getLogger("httpx").setLevel(logging.WARNING)  # after ray.init, which configures logging
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    table = routers()
+    table = {name: router for name, router in routers().items() if name in args.routers}
     results = []
     for rep in range(args.reps):
         for name, router in table.items():
             results.append({**run_one(name, router, args.replicas, args), "rep": rep})
             print(json.dumps(results[-1]), flush=True)
-        results.append({**run_one("single", None, 1, args), "rep": rep})
-        print(json.dumps(results[-1]), flush=True)
+        if "single" in args.routers:
+            results.append({**run_one("single", None, 1, args), "rep": rep})
+            print(json.dumps(results[-1]), flush=True)
     serve.shutdown()
     ray.shutdown()
     report(results)
@@ -202,7 +206,7 @@ def report(results: list[dict]) -> None:
         print(f"| {n} | {replicas} | {m['cached_share']:.3f} | {m['computed']:.0f} | {m['turns_moved']:.2f} | "
               f"{m['ttft_p50']:.3f} | "
               f"{m['ttft_p90']:.3f} | {m['wall_s']:.1f} |")
-    if "single" in med and "pow2" in med:
+    if {"single", "pow2", "tether"} <= set(med):
         t = med["tether"]
         print(f"\ntether cache-served share / single replica: {t['cached_share'] / med['single']['cached_share']:.3f}"
               f" (target >= 0.95); tether computed / pow2 computed: {t['computed'] / med['pow2']['computed']:.3f}"

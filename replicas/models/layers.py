@@ -1,4 +1,4 @@
-"""Small layers shared by the model families: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Small layers shared by the model families: RMSNorm, rotary embedding, merged projections, SwiGLU MLP."""
 
 import torch
 import torch.nn.functional as F
@@ -14,9 +14,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as transformers does, then cast back.
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -32,23 +30,51 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.tables(positions)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at `positions`: [T, 1, D/2] each; once per step, shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, heads, D] in float32, cast back. cos, sin: [T, 1, D/2]."""
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
 
 
+class MergedLinear(nn.Linear):
+    """Several projections of the same input as one matmul (q/k/v, gate/up): fewer, larger kernels.
+
+    `shards` names the checkpoint's projections in output order with their sizes; the loader
+    copies `<parent>.<shard>.weight` into rows [offset, offset + size). `split` undoes the merge.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shards = dict(shards)
+
+    def shard_rows(self, shard: str) -> slice:
+        offset = 0
+        for name, size in self.shards.items():
+            if name == shard:
+                return slice(offset, offset + size)
+            offset += size
+        raise KeyError(shard)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # y: [T, sum(sizes)] -> one view per shard, [T, size]
+        return y.split(list(self.shards.values()), dim=-1)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)

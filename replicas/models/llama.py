@@ -11,31 +11,32 @@ from torch import nn
 
 from replicas.engine.forward_batch import ForwardBatch
 from replicas.kernels.paged_attention import paged_attention, store_kvcache
-from replicas.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from replicas.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, SwiGLU, rotate
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = self.head_dim ** -0.5
         bias = bool(getattr(config, "attention_bias", False))
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+                                     bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.rotary = rotary
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                batch: ForwardBatch) -> torch.Tensor:
-        # x: [T, hidden]
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        # x: [T, hidden]; rope: the step's cos, sin [T, 1, D/2]
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
+        # q and k are adjacent in qkv: one rotation for both.
+        qk = rotate(qkv[:, :qk_width].view(num_tokens, -1, self.head_dim), *rope)  # [T, H + Hkv, D]
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch.groups, self.scale)  # [T, H, D]
@@ -43,15 +44,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, kv_cache, batch):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, batch)
+    def forward(self, rope, x, kv_cache, batch):
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -59,15 +60,16 @@ class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, batch):
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, batch)
+            x = layer(rope, x, kv_cache, batch)
         return self.norm(x)
 
 

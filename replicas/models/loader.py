@@ -1,11 +1,12 @@
-"""Loads a checkpoint directory (config.json + *.safetensors) into our model classes, name for name."""
+"""Loads a checkpoint directory (config.json + *.safetensors) into our model classes, name for name;
+the parts of a merged projection (q/k/v, gate/up: `MergedLinear`) into their rows of the merged weight."""
 
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from replicas.models.layers import RotaryEmbedding
+from replicas.models.layers import MergedLinear, RotaryEmbedding
 from replicas.models.llama import LlamaForCausalLM, rope_theta
 from replicas.models.qwen3_5 import Qwen3_5ForCausalLM
 
@@ -36,23 +37,53 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
     return model.eval(), config
 
 
+def checkpoint_names(model: torch.nn.Module) -> set[str]:
+    """The checkpoint weight names `model` loads: its parameters, merged projections as their parts."""
+    return set(_plain_params(model)) | set(_shard_targets(model))
+
+
+def _plain_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Parameters loaded under their own name (tied weights appear once; merged ones are not here)."""
+    merged = {id(param) for param, _ in _shard_targets(model).values()}
+    return {n: p for n, p in model.named_parameters() if id(p) not in merged}
+
+
 def _load_weights(model: torch.nn.Module, model_dir: Path) -> None:
-    params = dict(model.named_parameters())  # tied weights appear once, under their first name
+    shards = _shard_targets(model)
+    params = _plain_params(model)
     loaded = set()
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors in {model_dir}")
     for path in files:
         for name, tensor in load_file(str(path)).items():
-            if name not in params:
-                if name == "lm_head.weight" or "rotary_emb" in name:
-                    continue  # tied head, or a buffer we compute
+            if name in shards:
+                param, rows = shards[name]
+                param.data[rows].copy_(tensor)
+            elif name in params:
+                params[name].data.copy_(tensor)
+            elif name == "lm_head.weight" or "rotary_emb" in name:
+                continue  # tied head, or a buffer we compute
+            else:
                 raise ValueError(f"unexpected weight {name!r} in {path.name}")
-            params[name].data.copy_(tensor)
             loaded.add(name)
-    missing = set(params) - loaded
+    missing = checkpoint_names(model) - loaded
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+
+
+def _shard_targets(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter, slice]]:
+    """Checkpoint name of each part of a merged projection -> (the merged parameter, its rows)."""
+    targets = {}
+    for path, module in model.named_modules():
+        if isinstance(module, MergedLinear):
+            parent = path.rsplit(".", 1)[0]
+            for shard in module.shards:
+                rows = module.shard_rows(shard)
+                targets[f"{parent}.{shard}.weight"] = (module.weight, rows)
+                if module.bias is not None:
+                    targets[f"{parent}.{shard}.bias"] = (module.bias, rows)
+    return targets
 
 
 def _init_buffers(model: torch.nn.Module, config, device: torch.device) -> None:

@@ -1,0 +1,71 @@
+"""Where a decode step's time goes: torch.profiler over engine steps, the top operators by self time.
+
+    python bench/profile_step.py [--model default] [--dtype auto] [--streams 1 8] [--steps 20]
+
+For each batch size: warms up, then profiles --steps decode steps of that many
+concurrent greedy streams (prompts already prefilled) and prints the wall time per
+step, the share of it spent inside torch operators, and the top operators by self
+CPU time. The rest of the step (Python: scheduling, batch building, sampling glue)
+is the gap between the two.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from replicas.config import EngineConfig
+from replicas.engine.engine import Engine
+from replicas.messages import GenerateRequest, SamplingParams
+from replicas.models.prepare import prepare_model
+
+PROMPT = "Tell me a long story about a lighthouse keeper and a storm."
+
+
+def decode_steps(engine: Engine, streams: int, steps: int, prompt_ids: list[int]) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    for i in range(streams):
+        engine.add_request(GenerateRequest(f"p{streams}-{i}-{time.perf_counter_ns()}", prompt_ids, params))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = Engine(EngineConfig(model=str(prepare_model(args.model, progress=False)), dtype=args.dtype))
+    prompt_ids = engine.tokenizer.encode(PROMPT)
+    for streams in args.streams:
+        decode_steps(engine, streams, args.steps, prompt_ids)
+        for _ in range(3):
+            engine.step()  # warm-up at this batch size
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            wall = (time.perf_counter() - start) / args.steps
+        for request in list(engine.scheduler.running):
+            engine.abort_request(request.request_id)
+        while engine.has_unfinished():
+            engine.step()
+        events = prof.key_averages()
+        in_ops = sum(e.self_cpu_time_total for e in events) / args.steps / 1e6
+        print(f"\n{streams} stream(s), {str(engine.dtype).removeprefix('torch.')}, {args.threads} threads: "
+              f"{wall * 1e3:.1f} ms per decode step ({streams / wall:.1f} tok/s), "
+              f"{in_ops * 1e3:.1f} ms inside torch ops, {(wall - in_ops) * 1e3:.1f} ms outside")
+        print(f"{'operator':40}{'self ms/step':>13}{'calls/step':>12}")
+        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:args.top]:
+            print(f"{e.key[:40]:40}{e.self_cpu_time_total / args.steps / 1e3:>13.2f}{e.count / args.steps:>12.0f}")
+
+
+if __name__ == "__main__":
+    main()
