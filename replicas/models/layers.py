@@ -11,10 +11,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as transformers does, then cast back.
-        dtype = x.dtype
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(dtype)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        # Normalise in float32 as transformers does, cast to the weights' dtype (the next matmul's
+        # input) or to `out_dtype`, then scale. x may be a float32 residual stream.
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        dtype = out_dtype or self.weight.dtype
+        return self.weight.to(dtype) * normed.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -77,4 +79,4 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.silu(gate.float()) * up.float()).to(x.dtype))  # one rounding, not two

@@ -66,11 +66,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, batch):
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        # The residual stream stays float32 whatever the weights' dtype: bf16 sums drift (the layers'
+        # matmuls still run in the weights' dtype). -> [T, hidden] float32, for the float32 head.
+        x = self.embed_tokens(input_ids).float()  # [T, hidden]
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(rope, x, kv_cache, batch)
-        return self.norm(x)
+        return self.norm(x, out_dtype=torch.float32)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -93,7 +95,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> logits [S, vocab] in float32
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()  # the head may be float32
 
 
 def rope_theta(config) -> float:

@@ -149,7 +149,7 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> logits [S, vocab] in float32
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()  # the head may be float32
 
 
 def check_supported(config) -> None:
