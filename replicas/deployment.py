@@ -14,7 +14,7 @@ from ray import serve
 from cache_router.hashing import short_hash
 
 from replicas.config import EngineConfig
-from replicas.device import set_threads
+from replicas.device import resolve_threads
 from replicas.engine.async_engine import AsyncEngine
 from replicas.engine.engine import Engine
 from replicas.messages import GenerateRequest
@@ -38,8 +38,8 @@ class ModelReplica:
         config = EngineConfig(**engine_config)
         # The model may be a spec ('default', a .gguf): prepare it on this node (cached, locked).
         config = config.model_copy(update={"model": str(prepare_model(config.model, progress=False))})
-        num_threads = set_threads(config.num_threads)
-        self.engine = AsyncEngine(Engine(config))
+        num_threads = resolve_threads(config.num_threads)
+        self.engine = AsyncEngine(lambda: Engine(config), num_threads)
         self.replica_id = current_replica_id()
         self.metrics = ReplicaMetrics(self.replica_id)  # a no-op outside Ray
         # Over the requests that came with the router's prediction for this replica.

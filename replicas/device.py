@@ -29,13 +29,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
-def set_threads(num_threads: int | None) -> int:
-    """torch's intra-op threads: the configured number, else the CPUs Ray assigned (at least 1)."""
+def resolve_threads(num_threads: int | None) -> int:
+    """torch's intra-op threads for a replica: the configured number, else the CPUs Ray assigned, else
+    the machine's (at least 1). Set them on the thread that runs the model (AsyncEngine does)."""
     if num_threads is None:
         num_threads = assigned_cpus() or os.cpu_count() or 1
-    num_threads = max(1, int(num_threads))
-    torch.set_num_threads(num_threads)
-    return num_threads
+    return max(1, int(num_threads))
 
 
 def assigned_cpus() -> int | None:

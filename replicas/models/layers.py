@@ -51,7 +51,7 @@ class MergedLinear(nn.Linear):
     """Several projections of the same input as one matmul (q/k/v, gate/up): fewer, larger kernels.
 
     `shards` names the checkpoint's projections in output order with their sizes; the loader
-    copies `<parent>.<shard>.weight` into rows [offset, offset + size). `split` undoes the merge.
+    copies `<parent>.<shard>.weight` into rows [offset, offset + size).
     """
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
@@ -66,10 +66,6 @@ class MergedLinear(nn.Linear):
             offset += size
         raise KeyError(shard)
 
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # y: [T, sum(sizes)] -> one view per shard, [T, size]
-        return y.split(list(self.shards.values()), dim=-1)
-
 
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
@@ -78,5 +74,5 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [T, I] each
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         return self.down_proj((F.silu(gate.float()) * up.float()).to(x.dtype))  # one rounding, not two

@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from replicas.kernels.cpu_linear import can_pack, pack_linears
 from replicas.models.layers import MergedLinear, RotaryEmbedding
 from replicas.models.llama import LlamaForCausalLM, rope_theta
 from replicas.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -22,7 +23,9 @@ def load_config(model_dir: str | Path):
     return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_weights: bool = False):
+    """-> (model, config). `pack_weights`: on CPU in bfloat16, every linear layer's weight reordered once
+    for oneDNN (replicas/kernels/cpu_linear: the same results, faster matmuls)."""
     config = load_config(model_dir)
     arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
     if arch not in ARCHITECTURES:
@@ -35,6 +38,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
     model = model.to(dtype)
     _float32_head(model)
     _init_buffers(model, config, device)  # after the cast: rotary tables stay float32
+    if pack_weights and dtype == torch.bfloat16 and can_pack(device):
+        pack_linears(model)  # last: merged projections and the float32 head are final by now
     return model.eval(), config
 
 

@@ -1,0 +1,156 @@
+"""What the Ray Serve path adds to time to first token: engine alone vs a no-op request vs the real thing.
+
+    python bench/serve_path.py [--prompt-tokens 100] [--reps 20] [--model default] [--threads 2]
+
+Three measurements of the same kind of request (a `--prompt-tokens` token-id prompt, unique per
+repetition so every one is a cold prefill; greedy, 1 output token), interleaved repetition by
+repetition so that machine noise hits all three alike:
+- engine:  the replica's AsyncEngine in this process: `generate()` called -> first delta;
+- no-op:   HTTP POST /v1/completions (streamed) through the production path -- Serve's proxy ->
+           Ingress (validation, rendering) -> handle -> ConversationRouter -> replica actor -> back --
+           where the replica is `NoopReplica`, which answers at once without a model: the cost of
+           the path itself;
+- serve:   the same request through the production app (`build_app`, one ModelReplica).
+The claim it checks (issue 7): median serve TTFT <= median engine TTFT + median no-op TTFT + 5 ms.
+Both Serve apps run side by side in one Ray instance (routes / and /noop); the replica gets all
+`--threads` threads, as does the in-process engine (only one of them works at a time).
+"""
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from replicas.messages import GenerateDelta, GenerateRequest, SamplingParams  # noqa: E402
+
+SLACK_S = 0.005  # what the issue allows the path beyond engine + no-op
+
+
+class NoopReplica:
+    """The ModelReplica contract with no model: one token at once. Measures the Serve path alone."""
+
+    def __init__(self, model_info: dict):
+        self.info = model_info
+
+    async def generate(self, request: GenerateRequest):
+        yield GenerateDelta(request.request_id, [0], "x", finish_reason="length",
+                            num_prompt_tokens=len(request.prompt_token_ids), num_generated_tokens=1,
+                            replica_id="noop")
+
+    def model_info(self) -> dict:
+        return self.info
+
+    def record_routing_stats(self) -> dict:
+        return {"num_running": 0, "num_waiting": 0, "blocks": [], "conversations": []}
+
+
+def unique_prompt(vocab_size: int, length: int, rep: int) -> list[int]:
+    """Token ids that share no leading block with any other repetition's (a cold prefill each time)."""
+    return [(1000 + rep * 7919 + i * 31) % (vocab_size - 1000) + 500 for i in range(length)]
+
+
+async def engine_ttft(engine, prompt: list[int], rep: int) -> float:
+    request = GenerateRequest(f"engine-{rep}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    start = time.perf_counter()
+    stream = engine.generate(request)
+    try:
+        await anext(stream)
+        return time.perf_counter() - start
+    finally:
+        await stream.aclose()
+
+
+def http_ttft(client: httpx.Client, prefix: str, model: str, prompt: list[int]) -> float:
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    with client.stream("POST", f"{prefix}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"][0]["text"]:
+                return time.perf_counter() - start
+    raise RuntimeError(f"no content from {prefix or '/'}")
+
+
+def deploy(args) -> tuple[str, dict]:
+    from ray import serve
+
+    from serve_app.app import Ingress, build_app, router_config
+    from serve_app.config import AppConfig
+
+    spec = {"model": args.model, "served_model_name": "bench", "num_replicas": 1, "dtype": args.dtype,
+            "replica_num_cpus": 0, "engine": {"num_threads": args.threads}}
+    serve.run(build_app(spec), name="tether", route_prefix="/")
+    info = serve.get_deployment_handle("ModelReplica", app_name="tether").model_info.remote().result()
+    config = AppConfig(**spec)
+    noop = serve.deployment(NoopReplica, name="NoopReplica").options(request_router_config=router_config(config))
+    ingress = serve.deployment(Ingress, name="Ingress").options(ray_actor_options={"num_cpus": 0})
+    serve.run(ingress.bind(config.model_dump(), noop.bind(info)), name="noop", route_prefix="/noop")
+    return "bench", info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--port", type=int, default=8124)
+    args = parser.parse_args()
+
+    import ray
+    from ray import serve
+
+    from replicas.config import EngineConfig
+    from replicas.engine.async_engine import AsyncEngine
+    from replicas.engine.engine import Engine
+    from replicas.models.prepare import prepare_model
+
+    ray.init(num_cpus=max(2, args.threads), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    model, info = deploy(args)
+    config = EngineConfig(model=str(prepare_model(args.model, progress=False)), dtype=args.dtype)
+    engine = AsyncEngine(lambda: Engine(config), args.threads)
+    vocab = engine.engine.tokenizer.vocab_size
+    loop = asyncio.new_event_loop()
+    times = {"engine": [], "no-op": [], "serve": []}
+    with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=120) as client:
+        for rep in range(-2, args.reps):  # two warm-up repetitions, not counted
+            prompt = unique_prompt(vocab, args.prompt_tokens, rep + 2)
+            sample = {"engine": loop.run_until_complete(engine_ttft(engine, prompt, rep)),
+                      "no-op": http_ttft(client, "/noop", model, prompt),
+                      "serve": http_ttft(client, "", model, prompt)}
+            if rep >= 0:
+                for name, seconds in sample.items():
+                    times[name].append(seconds)
+    engine.shutdown()
+    serve.shutdown()
+    ray.shutdown()
+    report(times, info, args)
+
+
+def report(times: dict, info: dict, args) -> None:
+    med = {name: statistics.median(values) for name, values in times.items()}
+    print(f"\n{args.prompt_tokens}-token prompt, {info['dtype']}, {args.threads} threads, "
+          f"medians of {args.reps} (ms):")
+    print("| path | TTFT p50 | min | max |\n|---|---|---|---|")
+    for name, values in times.items():
+        print(f"| {name} | {med[name] * 1e3:.1f} | {min(values) * 1e3:.1f} | {max(values) * 1e3:.1f} |")
+    added = med["serve"] - med["engine"] - med["no-op"]
+    print(f"\nserve - engine - no-op = {added * 1e3:+.1f} ms (allowed: +{SLACK_S * 1e3:.0f} ms): "
+          f"{'PASS' if added <= SLACK_S else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The CPU fast path changes no output: packed bf16 weights vs F.linear, and the step thread that owns
+every torch op of a replica."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from replicas.config import EngineConfig
+from replicas.engine.async_engine import AsyncEngine
+from replicas.engine.engine import Engine
+from replicas.kernels.cpu_linear import PackedLinear, can_pack
+from tests.engine.conftest import greedy, prompts, run_all
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu")), reason="this torch has no oneDNN packing")
+def test_packed_bfloat16_weights_generate_the_same_tokens(tiny_llama_dir):
+    engines = {pack: Engine(EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16", pack_weights=pack))
+               for pack in (True, False)}
+    assert any(isinstance(m, PackedLinear) for m in engines[True].model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in engines[False].model.modules())
+    requests = lambda: [greedy(f"r{i}", p, max_tokens=24) for i, p in enumerate(prompts([5, 17, 40, 3]))]
+    packed, plain = run_all(engines[True], requests()), run_all(engines[False], requests())
+    assert packed == plain and all(len(ids) == 24 for ids in packed.values())
+
+
+def test_the_engine_is_built_and_stepped_on_one_thread_with_its_thread_count(tiny_llama_dir):
+    seen = {}
+
+    def build() -> Engine:
+        seen["thread"], seen["threads"] = threading.current_thread(), torch.get_num_threads()
+        return Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
+
+    engine = AsyncEngine(build, num_threads=1)
+    try:
+        assert seen == {"thread": engine._thread, "threads": 1}
+        assert seen["thread"] is not threading.current_thread()
+
+        async def generate():
+            return [d async for d in engine.generate(greedy("a", prompts([9])[0], max_tokens=5))]
+
+        deltas = asyncio.run(generate())
+        assert [d.finish_reason for d in deltas][-1] == "length" and sum(len(d.token_ids) for d in deltas) == 5
+    finally:
+        engine.shutdown()
+
+
+def test_an_engine_that_fails_to_build_raises_in_the_constructor():
+    def build() -> Engine:
+        raise ValueError("no such model")
+
+    with pytest.raises(RuntimeError, match="no such model"):
+        AsyncEngine(build)
