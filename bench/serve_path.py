@@ -74,9 +74,11 @@ def http_ttft(client: httpx.Client, prefix: str, model: str, prompt: list[int]) 
     start = time.perf_counter()
     with client.stream("POST", f"{prefix}/v1/completions", json=body) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"][0]["text"]:
-                return time.perf_counter() - start
+        for line in response.iter_lines():  # the first event that carries the token (its text may be empty)
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:])["choices"]
+                if choices and (choices[0]["text"] or choices[0]["finish_reason"]):
+                    return time.perf_counter() - start
     raise RuntimeError(f"no content from {prefix or '/'}")
 
 

@@ -49,6 +49,8 @@ class AsyncEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         if self.error is not None:
             raise RuntimeError(f"engine failed: {self.error!r}")
+        if self._stopped:
+            raise RuntimeError("the engine was shut down")
         self.engine.check_request(request)  # reads config only; raises RequestError before any state
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = (asyncio.get_running_loop(), stream)

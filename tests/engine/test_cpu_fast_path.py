@@ -52,3 +52,14 @@ def test_an_engine_that_fails_to_build_raises_in_the_constructor():
 
     with pytest.raises(RuntimeError, match="no such model"):
         AsyncEngine(build)
+
+
+def test_a_shut_down_engine_refuses_requests_instead_of_hanging(tiny_llama_dir):
+    engine = AsyncEngine(lambda: Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32")))
+    engine.shutdown()
+
+    async def generate():
+        return [d async for d in engine.generate(greedy("late", prompts([4])[0]))]
+
+    with pytest.raises(RuntimeError, match="shut down"):
+        asyncio.run(asyncio.wait_for(generate(), timeout=10))
