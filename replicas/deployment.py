@@ -9,6 +9,8 @@ cancelled and the sequence is aborted, its blocks freed at the next step.
 
 import logging
 
+import psutil
+
 from ray import serve
 
 from cache_router.hashing import short_hash
@@ -80,7 +82,9 @@ class ModelReplica:
         return {**vars(engine.stats), "replica_id": self.replica_id,
                 "num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting),
                 "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
-                "num_preemptions": engine.scheduler.num_preemptions, **self.routing}
+                "num_preemptions": engine.scheduler.num_preemptions, **self.routing, **engine.memory,
+                "num_checkpoint_bytes": engine.checkpointer.pool.num_bytes if engine.checkpointer else 0,
+                "num_resident_bytes": psutil.Process().memory_info().rss}
 
     def record_routing_stats(self) -> dict:
         """What this replica holds, for the routers (cache_router/knowledge.py); Serve calls it every

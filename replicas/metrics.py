@@ -37,6 +37,11 @@ GAUGES = {
     "num_waiting": ("tether_replica_waiting_sequences", "Sequences waiting to be scheduled."),
     "num_blocks_used": ("tether_replica_kv_blocks_used", "KV cache blocks in use."),
     "num_blocks": ("tether_replica_kv_blocks_capacity", "KV cache blocks in the pool."),
+    "num_resident_bytes": ("tether_replica_resident_bytes", "Resident memory (RSS) of the replica's process."),
+    "num_weight_bytes": ("tether_replica_weight_bytes", "Bytes of the model's weights and buffers."),
+    "num_kv_cache_bytes": ("tether_replica_kv_cache_bytes", "Bytes of the paged KV pool (engine.kv_cache_bytes)."),
+    "num_checkpoint_bytes": ("tether_replica_checkpoint_bytes",
+                             "Bytes of saved recurrent-state checkpoints (hybrid models; engine.checkpoint_bytes)."),
 }
 
 

@@ -65,6 +65,11 @@ class Engine:
         self.scheduler = Scheduler(kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    StateSlotPool(config.max_num_seqs) if self.is_hybrid else None, self.checkpointer)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, linear_states)
+        # What the budgets allocated, in bytes (the replica reports them beside its resident memory).
+        self.memory = {"num_weight_bytes": tensor_bytes([*self.model.parameters(), *self.model.buffers()]),
+                       "num_kv_cache_bytes": tensor_bytes([t for pair in kv_caches for t in pair]),
+                       "num_linear_state_bytes": tensor_bytes([t for state in linear_states or []
+                                                               for t in (state.conv_state, state.recurrent_state)])}
         model_len = config.context_len(self.model_config.max_position_embeddings)
         # A request that fits the context must fit the pool alone, or it could never finish.
         self.max_model_len = min(model_len, num_blocks * config.block_size)
@@ -170,3 +175,14 @@ class Engine:
             del self.outputs[req.request_id]
             self.retention.record(self.origins.pop(req.request_id), req.token_ids, out.detokenizer.text)
         return delta
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes held by distinct tensors (a tied weight counts once; packed oneDNN weights by their size)."""
+    seen, total = set(), 0
+    for t in tensors:
+        key = id(t) if t.is_mkldnn else t.data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total

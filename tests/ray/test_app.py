@@ -143,7 +143,8 @@ def test_routing_metrics_per_replica_on_the_ray_metrics_port(serve_app, replica_
 
     handle = serve.get_deployment_handle("ModelReplica", app_name="tether")
     names = ["ray_tether_router_requests_total", "ray_tether_router_predicted_cached_tokens_total",
-             "ray_tether_replica_predicted_cached_tokens_total", "ray_tether_replica_delivered_cached_tokens_total"]
+             "ray_tether_replica_predicted_cached_tokens_total", "ray_tether_replica_delivered_cached_tokens_total",
+             "ray_tether_replica_resident_bytes"]
     deadline = time.time() + 60  # Ray exports every few seconds
     while True:
         found = scrape(metrics_url)
@@ -160,6 +161,7 @@ def test_routing_metrics_per_replica_on_the_ray_metrics_port(serve_app, replica_
             break
     for rid in replica_ids:
         assert found[("ray_tether_replica_predicted_cached_tokens_total", rid)] > 0
+        assert found[("ray_tether_replica_resident_bytes", rid)] > 10 * 2**20  # a Python process with torch
         # Predictions are whole blocks of a history the replica kept: what it delivers matches them.
         own = stats[rid]
         assert own["num_delivered_cached_tokens"] >= 0.9 * own["num_predicted_cached_tokens"] > 0
