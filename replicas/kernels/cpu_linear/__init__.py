@@ -1,9 +1,9 @@
 """Linear layers with weights reordered once into oneDNN's blocked layout (CPU).
 
 `F.linear` on CPU reorders a bfloat16 weight into oneDNN's layout on every call;
-at decode sizes that reorder is most of the matmul's time (measured at SmolLM2's
-shapes, 2 threads: 60 vs 126 us for a [1, 576] x [576, 3072] product, 2.5 vs 4.2 ms
-for the [576, 49152] head). `pack_linears` swaps each `nn.Linear` of a model for a
+at decode sizes that reorder is most of the matmul's time (`bench/cpu_linear.py` at
+SmolLM2's shapes, 2 threads: 53 vs 147 us for a [1, 576] x [576, 3072] product,
+1.8 vs 4.7 ms for the [576, 49152] head in bf16, 5.0 vs 10.4 ms in float32). `pack_linears` swaps each `nn.Linear` of a model for a
 `PackedLinear` that holds the reordered weight and calls the same oneDNN kernel:
 bfloat16 results are bitwise those of `F.linear`, float32 ones equal within
 rounding (~1e-6). The ops are private (`torch.ops.mkldnn`, what inductor uses for
