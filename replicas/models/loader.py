@@ -94,8 +94,9 @@ def _shard_targets(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter
 
 def _float32_head(model: torch.nn.Module) -> None:
     """Keeps the LM head in float32 (an untied copy) when the body is narrower: logits of 10-30 rounded
-    to bfloat16 move by up to 0.125, enough to swap close tokens. At batch 1 a float32 matrix-vector
-    product is no slower on CPU than bfloat16's; it costs the head's size again in memory."""
+    to bfloat16 move by up to 0.125, enough to swap close tokens. It costs the head's size again in
+    memory and ~3 ms per decode step over a bf16 head on 2 cores (bench/cpu_linear.py; docs/benchmarks.md
+    has a cheaper variant that was tried and not kept)."""
     head = model.lm_head
     if head.weight.dtype == torch.float32:
         return
