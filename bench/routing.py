@@ -12,7 +12,7 @@ a least-loaded router sticky by accident: the replica that just finished a turn 
 the less loaded one when the next turn of the same conversation arrives.
 "Turns moved" reports how often a turn landed on another replica than its previous
 turn. Routers:
-- tether: cache_router.ConversationRouter (the default of build_app);
+- tether: cache_router.ConversationRouter (the default of build_app / build_app_routed);
 - pow2: Ray Serve's default PowerOfTwoChoicesRequestRouter;
 - prefix-aware: Ray Serve LLM's PrefixCacheAffinityRouter (its char-level prefix
   tree over the prompt; given token ids, one character per id, since the replica
@@ -119,11 +119,11 @@ def routers() -> dict:
 def run_one(name: str, router, num_replicas: int, args) -> dict:
     from ray import serve
 
-    from serve_app.app import build_app
+    from serve_app.app import build_app_routed
 
-    app = build_app({"model": args.model, "served_model_name": "bench", "num_replicas": num_replicas,
-                     "replica_num_cpus": 0, "dtype": args.dtype,
-                     "engine": {"num_threads": max(1, args.threads // num_replicas)}}, request_router=router)
+    app = build_app_routed({"model": args.model, "served_model_name": "bench", "num_replicas": num_replicas,
+                            "replica_num_cpus": 0, "dtype": args.dtype,
+                            "engine": {"num_threads": max(1, args.threads // num_replicas)}}, router)
     serve.run(app, name="bench", route_prefix="/")
     handle = serve.get_deployment_handle("ModelReplica", app_name="bench")
     before = engine_totals(handle, num_replicas)

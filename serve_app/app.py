@@ -32,7 +32,12 @@ class Ingress:
         return make_api(self.server)
 
 
-def build_app(args: dict, *, request_router: RequestRouterConfig | None = None) -> serve.Application:
+def build_app(args: dict) -> serve.Application:
+    """The builder `serve run` / `serve deploy` call: Serve requires exactly one parameter, the args."""
+    return build_app_routed(args, None)
+
+
+def build_app_routed(args: dict, request_router: RequestRouterConfig | None) -> serve.Application:
     """`request_router` replaces the ConversationRouter (bench/routing.py compares Ray's own routers)."""
     config = AppConfig(**_parse_args(args))  # validated here, once, not on a replica
     engine = config.engine
