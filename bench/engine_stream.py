@@ -17,11 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-QUESTIONS = ["What is the capital of France?", "Explain photosynthesis to a child.",
-             "Write a short poem about autumn leaves.", "How do airplanes stay in the air?",
-             "Give me three tips for learning a new language.", "Why is the sky blue?",
-             "Describe a perfect weekend.", "What is the difference between a virus and a bacterium?"]
-
 
 def start_engine(threads: int):
     import torch
@@ -64,6 +59,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     sys.path.insert(0, str(args.tree.resolve()))
+    from bench.throughput import QUESTIONS  # after --tree is on the path: it imports that tree's engine
+
     engine = start_engine(args.threads)
     tokenizer = engine.engine.tokenizer
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)

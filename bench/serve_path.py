@@ -96,7 +96,7 @@ def deploy(args) -> tuple[str, dict]:
     noop = serve.deployment(NoopReplica, name="NoopReplica").options(request_router_config=router_config(config))
     ingress = serve.deployment(Ingress, name="Ingress").options(ray_actor_options={"num_cpus": 0})
     serve.run(ingress.bind(config.model_dump(), noop.bind(info)), name="noop", route_prefix="/noop")
-    return "bench", info
+    return spec["served_model_name"], info
 
 
 def main() -> None:
