@@ -154,4 +154,5 @@ class ModelRunner:
         key_slots = tables[:, key_pos // self.block_size] * self.block_size + key_pos % self.block_size  # [B, L]
         context = torch.tensor(context_lens, device=dev)
         mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < context[:, None, None])
-        return AttentionGroup(query_index, query_valid, key_slots, mask.unsqueeze(1))
+        return AttentionGroup(query_index, query_valid, key_slots, mask.unsqueeze(1), tables.to(torch.int32),
+                              context.to(torch.int32))

@@ -13,6 +13,8 @@ a padded view, built once per step by the model runner and shared by all layers:
     query_valid [B, Q]   False on padding
     key_slots   [B, L]   cache slot of key position j of sequence b (padding -> slot 0)
     mask        [B, 1, Q, L]  key j visible to query i: j <= position(i), j < context_len(b)
+    block_tables [B, N] int32 the blocks of sequence b (padding -> block 0), N = ceil(L / block_size)
+    context_lens [B] int32    keys of sequence b after this step (the Triton decode kernel reads these two)
 
 No Python loop over sequences: one gather, one SDPA and one scatter per group.
 """
@@ -29,6 +31,8 @@ class AttentionGroup:
     query_valid: torch.Tensor  # [B, Q] bool
     key_slots: torch.Tensor  # [B, L] int64
     mask: torch.Tensor  # [B, 1, Q, L] bool
+    block_tables: torch.Tensor  # [B, N] int32
+    context_lens: torch.Tensor  # [B] int32
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
