@@ -1,25 +1,41 @@
-"""GPU check for the hybrid layers: kernel parity on CUDA, then timings. By hand on a CUDA machine, never in CI.
+"""GPU check: kernel parity on CUDA, then kernel and decode-step timings. By hand on a CUDA machine, never in CI.
 
-    bash bench/gpu_check.sh            (= python bench/gpu_check.py)
+    bash bench/gpu_check.sh            (= python bench/gpu_check.py [--skip-engine])
 
-1. runs the kernel parity tests (tests/parity/test_gated_delta_rule.py, test_causal_conv1d.py): on CUDA
-   their fla / Triton cases run against the PyTorch references instead of skipping;
+1. runs the kernel parity tests (PARITY_TESTS): on CUDA their fla / Triton cases run compiled against the
+   PyTorch references instead of skipping (or running under Triton's interpreter);
 2. times, for one linear-attention layer of Qwen3.5 shape (bf16 inputs), a 4k-token prefill
    (chunk_gated_delta_rule) and a 64-sequence decode step (fused_recurrent_gated_delta_rule), each with the
-   PyTorch reference and with the dispatcher (fla where importable), and prints a table.
-Without CUDA it says so and exits 0 (tests/unit/test_gpu_check.py imports it so it cannot rot).
+   PyTorch reference and with the dispatcher (fla where importable);
+3. times the paged decode attention kernel against the PyTorch group path it replaces on CUDA, at batch 1,
+   16 and 64 of a ~1B Llama attention shape (H=32, Hkv=8, D=64, context 2048, block 16, bf16), with the
+   KV bytes read per second against the device's peak (GPU_PEAK_GBPS, else a table by device name);
+4. times the row-sampling kernel against its reference at 64 rows x 152k vocabulary (greedy, drawn);
+5. times engine decode steps of a ~1B random-weight model of each family (Llama, the Qwen3.5 hybrid) at
+   batch 1, 16 and 64, with the model's weight bytes over the step time (needs the default model's
+   tokenizer; each checkpoint is first written to a temporary directory, in float32: ~4-5 GB each).
+Without CUDA it says so and exits 0 (tests/unit/test_gpu_check.py imports it and runs each timing at tiny
+shapes on CPU, the kernels under Triton's interpreter, so it cannot rot).
 """
 
+import os
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PARITY_TESTS = ["tests/parity/test_gated_delta_rule.py", "tests/parity/test_causal_conv1d.py"]
+PARITY_TESTS = ["tests/parity/test_gated_delta_rule.py", "tests/parity/test_causal_conv1d.py",
+                "tests/parity/test_paged_attention.py", "tests/parity/test_triton_paged_attention.py",
+                "tests/parity/test_triton_sampling.py", "tests/parity/test_triton_compile.py"]
+# HBM bandwidth in GB/s by a substring of torch.cuda.get_device_name() (vendor datasheets); first match wins.
+PEAK_GBPS = [("GH200", 4000), ("H200", 4800), ("H100 PCIe", 2000), ("H100", 3350), ("H800", 3350),
+             ("A100-SXM4-80GB", 2039), ("A100", 1555), ("L40", 864), ("L4", 300)]
 
 
 @dataclass
@@ -49,6 +65,7 @@ def inputs(case: Case, device: str, dtype=torch.bfloat16) -> dict:
 
 
 def time_ms(fn, repeats: int = 5) -> float:
+    """Mean wall ms of fn over repeats, after one warm-up call (compiles the kernels), with CUDA synchronized."""
     fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -75,14 +92,182 @@ def timings(device: str) -> list[tuple[str, float, float]]:
     return rows
 
 
-def main() -> int:
+@dataclass
+class AttentionCase:
+    num_seqs: int
+    context_len: int = 2048
+    H: int = 32  # Llama 3.2 1B: 32 query heads, 8 KV heads, 64-dim heads
+    HKV: int = 8
+    D: int = 64
+    block_size: int = 16
+
+
+ATTENTION_CASES = [AttentionCase(1), AttentionCase(16), AttentionCase(64)]
+KERNEL_REPEATS = 20
+
+
+def attention_inputs(case: AttentionCase, device: str, dtype=torch.bfloat16) -> dict:
+    """A decode group of num_seqs sequences of context_len keys each, blocks scattered over the pool."""
+    from replicas.kernels.paged_attention import AttentionGroup
+
+    B, L, bs = case.num_seqs, case.context_len, case.block_size
+    g = torch.Generator(device="cpu").manual_seed(0)
+    num_blocks = B * -(-L // bs)
+    block_tables = torch.randperm(num_blocks, generator=g).view(B, -1).to(device=device, dtype=torch.int32)
+    context_lens = torch.full((B,), L, dtype=torch.int32, device=device)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    key_pos = torch.arange(L, device=device)
+    key_slots = block_tables.long()[:, key_pos // bs] * bs + key_pos % bs  # [B, L]
+    group = AttentionGroup(torch.arange(B, device=device)[:, None], torch.ones(B, 1, dtype=torch.bool, device=device),
+                           key_slots, torch.ones(B, 1, 1, L, dtype=torch.bool, device=device), block_tables,
+                           context_lens)
+    return dict(q=rand(B, case.H, case.D), k_cache=rand(num_blocks, bs, case.HKV, case.D),
+                v_cache=rand(num_blocks, bs, case.HKV, case.D), group=group, scale=case.D ** -0.5)
+
+
+def attention_timings(device: str) -> list[tuple[str, float, float, float]]:
+    """(case, reference ms, kernel ms, kernel GB/s of KV read) per case. Reference: naive_paged_attention over
+    the group (gather + matmuls), the path the kernel replaces."""
+    from replicas.kernels.paged_attention import naive_paged_attention
+    from replicas.kernels.paged_attention.triton_decode import paged_decode_attention
+
+    rows = []
+    for case in ATTENTION_CASES:
+        x = attention_inputs(case, device)
+        q, k_cache, v_cache, group, scale = x["q"], x["k_cache"], x["v_cache"], x["group"], x["scale"]
+        ref_ms = time_ms(lambda: naive_paged_attention(q, k_cache, v_cache, [group], scale), KERNEL_REPEATS)
+        fast_ms = time_ms(lambda: paged_decode_attention(q, k_cache, v_cache, group.block_tables, group.context_lens,
+                                                         scale), KERNEL_REPEATS)
+        kv_bytes = 2 * case.num_seqs * case.context_len * case.HKV * case.D * k_cache.element_size()
+        rows.append((f"decode B={case.num_seqs} ctx={case.context_len}", ref_ms, fast_ms, kv_bytes / fast_ms / 1e6))
+    return rows
+
+
+SAMPLING_SHAPE = (64, 151936)  # rows, vocabulary (Qwen's)
+
+
+def sampling_timings(device: str) -> list[tuple[str, float, float, float]]:
+    """(case, reference ms, kernel ms, kernel GB/s read) for all-greedy and all-drawn rows."""
+    from replicas.kernels.sampling.naive import naive_sample_rows
+    from replicas.kernels.sampling.triton_sample import sample_rows
+
+    R, V = SAMPLING_SHAPE
+    g = torch.Generator(device="cpu").manual_seed(0)
+    logits = (4 * torch.randn(R, V, generator=g)).to(device)
+    noise = torch.rand(R, V, generator=g).clamp_(1e-12, 1 - 1e-7).to(device)
+    rows = []
+    for name, t, num_inputs in (("greedy", 0.0, 1), ("drawn", 0.8, 2)):  # drawn rows read logits and noise
+        temperature = torch.full((R,), t, device=device)
+        ref_ms = time_ms(lambda: naive_sample_rows(logits, temperature, noise), KERNEL_REPEATS)
+        fast_ms = time_ms(lambda: sample_rows(logits, temperature, noise), KERNEL_REPEATS)
+        rows.append((f"sample {R}x{V} {name}", ref_ms, fast_ms, num_inputs * R * V * 4 / fast_ms / 1e6))
+    return rows
+
+
+# ~1B random-weight models on the default model's tokenizer (vocabulary 49152): Llama 3.2 1B's body, and a
+# Qwen3.5-style hybrid (3 Gated DeltaNet layers to 1 gated full-attention layer).
+ENGINE_MODELS = {
+    "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                               num_key_value_heads=8, tie_word_embeddings=True)),
+    "qwen3.5-hybrid-1b": ("qwen3_5", dict(hidden_size=2048, intermediate_size=4096, num_hidden_layers=24,
+                                          layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+                                          num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                                          linear_num_key_heads=16, linear_num_value_heads=16,
+                                          linear_key_head_dim=128, linear_value_head_dim=128)),
+}
+ENGINE_BATCHES = [1, 16, 64]
+PROMPT_LEN, DECODE_STEPS = 128, 10
+
+
+def make_checkpoint(family: str, overrides: dict, out_dir: Path, tokenizer_dir: Path) -> Path:
+    """The tests' random-weight checkpoint writers (tests/tiny_models.py, tests/tiny_hybrid.py) at other sizes."""
+    sys.path.insert(0, str(ROOT))
+    from tests.tiny_hybrid import make_tiny_qwen3_5
+    from tests.tiny_models import make_tiny_llama
+
+    make = make_tiny_qwen3_5 if family == "qwen3_5" else make_tiny_llama
+    return make(out_dir, tokenizer_dir, **overrides)
+
+
+def engine_timings(device: str, dtype: str = "bfloat16") -> list[tuple[str, int, float, float]]:
+    """(model, batch, ms per decode step, weight GB/s) for each ENGINE_MODELS entry and ENGINE_BATCHES size:
+    the wall time of Engine.step() over DECODE_STEPS decode steps, prompts already prefilled."""
+    from replicas.config import EngineConfig
+    from replicas.engine.engine import Engine
+    from replicas.messages import GenerateRequest, SamplingParams
+    from replicas.models.prepare import prepare_model
+
+    tokenizer_dir = prepare_model("default", progress=False)
+    rows = []
+    for name, (family, overrides) in ENGINE_MODELS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = make_checkpoint(family, overrides, Path(tmp), tokenizer_dir)
+            max_seqs = max(ENGINE_BATCHES)
+            blocks_per_seq = -(-(PROMPT_LEN + DECODE_STEPS + 16) // 16) + 1
+            engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, device=device, max_num_seqs=max_seqs,
+                                         max_num_batched_tokens=max(2048, max_seqs), block_size=16,
+                                         num_kv_blocks=max_seqs * blocks_per_seq, enable_prefix_caching=False))
+            weight_bytes = engine.memory["num_weight_bytes"]
+            params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS + 16, ignore_eos=True)
+            for batch in ENGINE_BATCHES:
+                for i in range(batch):
+                    prompt = [(7 * i + j) % 1000 + 100 for j in range(PROMPT_LEN)]
+                    engine.add_request(GenerateRequest(f"{name}-{batch}-{i}", prompt, params))
+                while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                                      for r in engine.scheduler.running):
+                    engine.step()  # prefill
+                step_ms = time_ms(engine.step, repeats=DECODE_STEPS)  # max_tokens leaves room for all of them
+                for request in list(engine.scheduler.running):
+                    engine.abort_request(request.request_id)
+                while engine.has_unfinished():
+                    engine.step()
+                rows.append((name, batch, step_ms, weight_bytes / step_ms / 1e6))
+            del engine
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows
+
+
+def peak_gbps() -> float | None:
+    """GPU_PEAK_GBPS, else the PEAK_GBPS entry matching this device's name, else None."""
+    if os.environ.get("GPU_PEAK_GBPS"):
+        return float(os.environ["GPU_PEAK_GBPS"])
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((gbps for key, gbps in PEAK_GBPS if key in name), None)
+
+
+def print_kernel_table(title: str, rows: list[tuple[str, float, float, float]], peak: float | None) -> None:
+    print(f"\n{title:32}{'reference ms':>14}{'kernel ms':>12}{'speed-up':>10}{'GB/s':>9}{'of peak':>9}")
+    for name, ref_ms, fast_ms, gbps in rows:
+        share = f"{gbps / peak:.0%}" if peak else "unknown"
+        print(f"{name:32}{ref_ms:>14.3f}{fast_ms:>12.3f}{ref_ms / fast_ms:>10.1f}{gbps:>9.0f}{share:>9}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to check (run it on a CUDA machine)")
         return 0
     parity = subprocess.run([sys.executable, "-m", "pytest", "-q", *PARITY_TESTS], cwd=ROOT)
+    peak = peak_gbps()
+    print(f"\n{torch.cuda.get_device_name()}: peak bandwidth {f'{peak:.0f} GB/s' if peak else 'unknown'}"
+          " (set GPU_PEAK_GBPS to override)")
     print(f"{'layer op':24}{'reference ms':>14}{'kernel ms':>12}{'speed-up':>10}")
     for name, ref_ms, fast_ms in timings("cuda"):
         print(f"{name:24}{ref_ms:>14.2f}{fast_ms:>12.2f}{ref_ms / fast_ms:>10.1f}")
+    print_kernel_table("paged decode attention (bf16)", attention_timings("cuda"), peak)
+    print_kernel_table("row sampling (float32)", sampling_timings("cuda"), peak)
+    if "--skip-engine" in argv:
+        return parity.returncode
+    try:
+        rows = engine_timings("cuda")
+    except Exception:
+        traceback.print_exc()
+        return 1
+    print(f"\n{'engine decode step (bf16)':32}{'batch':>6}{'ms/step':>10}{'tok/s':>9}{'weight GB/s':>13}{'of peak':>9}")
+    for name, batch, step_ms, gbps in rows:
+        share = f"{gbps / peak:.0%}" if peak else "unknown"
+        print(f"{name:32}{batch:>6}{step_ms:>10.2f}{batch / step_ms * 1e3:>9.0f}{gbps:>13.0f}{share:>9}")
     return parity.returncode
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On a CUDA machine, by hand (never in CI): kernel parity tests + hybrid-layer timings. See bench/gpu_check.py.
+# On a CUDA machine, by hand (never in CI): kernel parity tests, kernel timings (hybrid layers, paged decode
+# attention, sampling) and ~1B decode-step timings; --skip-engine leaves the last out. See bench/gpu_check.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

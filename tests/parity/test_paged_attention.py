@@ -10,7 +10,7 @@ import torch
 from replicas.engine.model_runner import ModelRunner
 from replicas.engine.request import Request
 from replicas.engine.scheduler import ScheduledRequest
-from replicas.kernels.paged_attention import naive_paged_attention, store_kvcache
+from replicas.kernels.paged_attention import naive_paged_attention, naive_paged_decode_attention, store_kvcache
 from replicas.messages import SamplingParams
 
 H, HKV, D, BLOCK = 6, 2, 16, 4
@@ -26,12 +26,12 @@ def dense_attention(q, k, v, first_pos: int) -> torch.Tensor:
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float())
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
-def test_varlen_batch_matches_dense(dtype, tol):
-    torch.manual_seed(0)
-    # (context already cached, tokens this step): two decode rows, two prefill chunks, one from scratch
-    shapes = [(9, 1), (22, 1), (0, 13), (7, 6), (30, 1)]
-    num_blocks = 64
+def build_batch(shapes: list[tuple[int, int]], dtype, seed: int = 0, num_blocks: int = 64):
+    """A step over sequences with scattered blocks, built by ModelRunner.prepare; the cache holds every key.
+
+    shapes: (context already cached, tokens this step) per sequence
+    -> batch, k_cache, v_cache: [num_blocks, BLOCK, HKV, D], scheduled, full_kv: (k, v) [total, HKV, D] each"""
+    torch.manual_seed(seed)
     k_cache = torch.zeros(num_blocks, BLOCK, HKV, D, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     free = list(torch.randperm(num_blocks).tolist())  # scattered blocks
@@ -52,11 +52,33 @@ def test_varlen_batch_matches_dense(dtype, tol):
     new_k = torch.cat([k[s.request.num_computed_tokens:] for (k, _), s in zip(full_kv, scheduled)])
     new_v = torch.cat([v[s.request.num_computed_tokens:] for (_, v), s in zip(full_kv, scheduled)])
     store_kvcache(new_k, new_v, k_cache, v_cache, batch.slot_mapping)
+    return batch, k_cache, v_cache, scheduled, full_kv
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_varlen_batch_matches_dense(dtype, tol):
+    # two decode rows, two prefill chunks, one from scratch
+    batch, k_cache, v_cache, scheduled, full_kv = build_batch([(9, 1), (22, 1), (0, 13), (7, 6), (30, 1)], dtype)
     q = torch.randn(batch.input_ids.numel(), H, D, dtype=dtype)
     out = naive_paged_attention(q, k_cache, v_cache, batch.groups, D ** -0.5)  # [T, H, D]
     for s, (k, v), lo, hi in zip(scheduled, full_kv, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
         expected = dense_attention(q[lo:hi], k, v, s.request.num_computed_tokens)
         assert (out[lo:hi].float() - expected).abs().max().item() <= tol, s.request.request_id
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_decode_reference_matches_group_path(dtype, tol):
+    """naive_paged_decode_attention (the Triton decode kernel's spec) on the decode group's block_tables and
+    context_lens gives the rows naive_paged_attention gives through key_slots and mask."""
+    batch, k_cache, v_cache, _, _ = build_batch([(9, 1), (22, 1), (0, 13), (3, 1), (30, 1)], dtype, seed=1)
+    decode = batch.groups[0]
+    assert decode.query_index.shape == (4, 1) and decode.block_tables.dtype == torch.int32
+    q = torch.randn(batch.input_ids.numel(), H, D, dtype=dtype)
+    expected = naive_paged_attention(q, k_cache, v_cache, batch.groups, D ** -0.5)[decode.query_index[:, 0]]
+    got = naive_paged_decode_attention(q[decode.query_index[:, 0]], k_cache, v_cache, decode.block_tables,
+                                       decode.context_lens, D ** -0.5)  # [B, H, D]
+    assert got.dtype == dtype
+    assert (got.float() - expected.float()).abs().max().item() <= tol
 
 
 if __name__ == "__main__":
