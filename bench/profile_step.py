@@ -1,12 +1,13 @@
-"""Where a decode step's time goes: torch.profiler over engine steps, the top operators by self time.
+"""Where a step's time goes: torch.profiler over engine steps, the top operators by self time.
 
-    python bench/profile_step.py [--model default] [--dtype auto] [--streams 1 8] [--steps 20]
+    python bench/profile_step.py [--model default] [--dtype auto] [--streams 1 8] [--steps 20] [--prefill 100 1000]
 
 For each batch size: warms up, then profiles --steps decode steps of that many
 concurrent greedy streams (prompts already prefilled) and prints the wall time per
 step, the share of it spent inside torch operators, and the top operators by self
 CPU time. The rest of the step (Python: scheduling, batch building, sampling glue)
-is the gap between the two.
+is the gap between the two. With --prefill, profiles instead the cold prefill of prompts of those
+lengths (prefix caching off), up to the first token, over --steps prompts.
 """
 
 import argparse
@@ -32,6 +33,38 @@ def decode_steps(engine: Engine, streams: int, steps: int, prompt_ids: list[int]
         engine.step()  # prefill
 
 
+def profile_prefill(engine: Engine, num_tokens: int, steps: int, top: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    vocab = engine.model_config.vocab_size
+
+    def prompt(i: int) -> list[int]:
+        return [(7 + 31 * (i * num_tokens + j)) % vocab for j in range(num_tokens)]
+
+    def first_token(i: int) -> None:
+        engine.add_request(GenerateRequest(f"prefill-{num_tokens}-{i}-{time.perf_counter_ns()}", prompt(i), params))
+        while engine.has_unfinished():
+            engine.step()
+
+    first_token(-1)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for i in range(steps):
+            first_token(i)
+        wall = (time.perf_counter() - start) / steps
+    print(f"\ncold prefill of {num_tokens} tokens, {str(engine.dtype).removeprefix('torch.')}: "
+          f"{wall * 1e3:.1f} ms to the first token")
+    print_top(prof, steps, wall, top)
+
+
+def print_top(prof, steps: int, wall: float, top: int) -> None:
+    events = prof.key_averages()
+    in_ops = sum(e.self_cpu_time_total for e in events) / steps / 1e6
+    print(f"{in_ops * 1e3:.1f} ms inside torch ops, {(wall - in_ops) * 1e3:.1f} ms outside")
+    print(f"{'operator':40}{'self ms/step':>13}{'calls/step':>12}")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"{e.key[:40]:40}{e.self_cpu_time_total / steps / 1e3:>13.2f}{e.count / steps:>12.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -40,9 +73,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--prefill", type=int, nargs="*", default=[])
+    parser.add_argument("--int4-decode", type=int, choices=[0, 1], default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(model=str(prepare_model(args.model, progress=False)), dtype=args.dtype))
+    engine = Engine(EngineConfig(model=str(prepare_model(args.model, progress=False)), dtype=args.dtype,
+                                 enable_prefix_caching=not args.prefill, int4_decode=bool(args.int4_decode)))
+    for num_tokens in args.prefill:
+        profile_prefill(engine, num_tokens, args.steps, args.top)
+    if args.prefill:
+        return
     prompt_ids = engine.tokenizer.encode(PROMPT)
     for streams in args.streams:
         decode_steps(engine, streams, args.steps, prompt_ids)
@@ -57,14 +97,9 @@ def main() -> None:
             engine.abort_request(request.request_id)
         while engine.has_unfinished():
             engine.step()
-        events = prof.key_averages()
-        in_ops = sum(e.self_cpu_time_total for e in events) / args.steps / 1e6
         print(f"\n{streams} stream(s), {str(engine.dtype).removeprefix('torch.')}, {args.threads} threads: "
-              f"{wall * 1e3:.1f} ms per decode step ({streams / wall:.1f} tok/s), "
-              f"{in_ops * 1e3:.1f} ms inside torch ops, {(wall - in_ops) * 1e3:.1f} ms outside")
-        print(f"{'operator':40}{'self ms/step':>13}{'calls/step':>12}")
-        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:args.top]:
-            print(f"{e.key[:40]:40}{e.self_cpu_time_total / args.steps / 1e3:>13.2f}{e.count / args.steps:>12.0f}")
+              f"{wall * 1e3:.1f} ms per decode step ({streams / wall:.1f} tok/s)")
+        print_top(prof, args.steps, wall, args.top)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="torch threads; default: the CPUs Ray gives the replica.")
     pack_weights: bool = Field(True, description="CPU, bfloat16: reorder each linear weight once into oneDNN's "
                                                  "layout (identical results, ~2x faster decode matmuls).")
+    int4_decode: bool = Field(True, description="CPU, bfloat16: linears whose checkpoint weights are 4-bit groups "
+                                                "(GGUF Q4_0/Q4_1) run batches of up to 8 rows on the int4 groups.")
 
     @model_validator(mode="after")
     def _budget_covers_a_decode_batch(self):

@@ -45,7 +45,8 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device,
-                                                     pack_weights=config.pack_weights)
+                                                     pack_weights=config.pack_weights,
+                                                     int4_decode=config.int4_decode)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         self.token_texts = TokenTexts(self.tokenizer)

@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from replicas.kernels.cpu_linear import can_pack, pack_linears
+from replicas.kernels.cpu_linear.int4 import can_use_int4, find_four_bit_linears, use_int4_linears
 from replicas.models.layers import MergedLinear, RotaryEmbedding
 from replicas.models.llama import LlamaForCausalLM, rope_theta
 from replicas.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -23,9 +24,12 @@ def load_config(model_dir: str | Path):
     return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_weights: bool = False):
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_weights: bool = False,
+               int4_decode: bool = False):
     """-> (model, config). `pack_weights`: on CPU in bfloat16, every linear layer's weight reordered once
-    for oneDNN (replicas/kernels/cpu_linear: the same results, faster matmuls)."""
+    for oneDNN (replicas/kernels/cpu_linear: the same results, faster matmuls). `int4_decode`: on CPU in
+    bfloat16, layers whose checkpoint weights are 4-bit groups also keep them as such for decode-sized
+    batches (replicas/kernels/cpu_linear/int4.py)."""
     config = load_config(model_dir)
     arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
     if arch not in ARCHITECTURES:
@@ -35,11 +39,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     model = model.to_empty(device=device)
     model.tie_weights()
     _load_weights(model, Path(model_dir))
+    use_int4 = int4_decode and dtype == torch.bfloat16 and can_use_int4(device)
+    four_bit = find_four_bit_linears(model) if use_int4 else {}  # before the cast rounds the weights
     model = model.to(dtype)
     _float32_head(model)
     _init_buffers(model, config, device)  # after the cast: rotary tables stay float32
     if pack_weights and dtype == torch.bfloat16 and can_pack(device):
         pack_linears(model)  # last: merged projections and the float32 head are final by now
+    use_int4_linears(model, four_bit)  # around the packed (or plain) bf16 layers
     return model.eval(), config
 
 

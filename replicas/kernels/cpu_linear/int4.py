@@ -1,0 +1,99 @@
+"""Linear layers whose checkpoint weights are 4-bit groups, run at decode sizes by torch's int4 CPU kernel.
+
+A GGUF Q4_0 / Q4_1 checkpoint (the default SmolLM2 is Q4_1) stores each run of 32 input weights of a
+row as `d * q + m` with q in 0..15. Dequantized to float32 the groups keep that form exactly, so
+`four_bit_groups` recovers (q, scale, zero) and proves it by rebuilding the weight; nothing that is
+not already 4-bit is quantized here. At decode sizes a step streams every weight once and the
+4-bit copy is a quarter of the bf16 one: `torch.ops.aten._weight_int4pack_mm_for_cpu` (what
+gpt-fast / torchao use) then beats the packed bf16 matmul up to ~8 rows (`bench/cpu_linear.py`).
+Larger batches (prefill chunks) keep the dense bf16 path, where the int4 kernel is 2x slower.
+The kernel takes bf16 activations and bf16 scale / zero, and rounds its output to bf16. Rounding each
+group's scale and offset to bf16 moved SmolLM2's decode logprobs by up to 0.069 from float32's (the
+dense bf16 path, which rounds each weight: 0.052). So each layer runs the kernel twice over the same
+4-bit weights, with the bf16 scale / zero and with their bf16 remainders (the second pass reads weights
+the first just brought into cache): the weights applied are the checkpoint's to ~16 bits, and what is
+left is the bf16 rounding of the first pass's output. Layers whose output feeds float32 math (the
+residual stream, SwiGLU's float32 product) add the two passes in float32 rather than rounding again.
+SmolLM2's worst decode logprob gap to float32 is then 0.039 (tests/parity/test_llama_parity.py).
+"""
+
+import torch
+from torch import nn
+
+GROUP_SIZE = 32  # GGUF's Q4 block
+# Layers whose output is only consumed in float32: the residual stream, SwiGLU's float32 product.
+FLOAT_OUTPUT_LAYERS = ("o_proj", "out_proj", "down_proj", "gate_up_proj")
+INT4_MAX_ROWS = 2  # rows up to which the two int4 passes beat the packed bf16 matmul (2 cores, SmolLM2 shapes)
+
+
+def four_bit_groups(weight: torch.Tensor, group_size: int = GROUP_SIZE):
+    """-> (q [N, K] int32 in 0..15, scale [N, K/G], zero [N, K/G]) with weight == (q - 8) * scale + zero
+    to float32 rounding, or None where `weight` [N, K] float32 is not made of 4-bit groups."""
+    rows, cols = weight.shape
+    if cols % group_size or weight.dtype != torch.float32:
+        return None
+    groups = weight.view(rows, cols // group_size, group_size)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    step = (high - low) / 15
+    q = ((groups - low) / torch.where(step > 0, step, 1)).round().clamp_(0, 15)
+    error = (q * step + low - groups).abs().amax()
+    if error > 1e-6 * max(groups.abs().amax().item(), 1e-12):
+        return None
+    zero = low + 8 * step  # the kernel's form: (q - 8) * scale + zero
+    return q.to(torch.int32).view(rows, cols), step.squeeze(-1), zero.squeeze(-1)
+
+
+class Int4Linear(nn.Module):
+    """A linear layer with two copies of its weight: the int4 groups for batches of up to INT4_MAX_ROWS
+    rows, `dense` (a bf16 PackedLinear or nn.Linear) for larger ones. No bias (Q4 checkpoints have none here)."""
+
+    def __init__(self, dense: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 float_output: bool = False):
+        super().__init__()
+        self.dense = dense
+        self.float_output = float_output  # the int4 path's output in float32 (a layer feeding float32 math)
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.group_size = self.in_features // scale.shape[1]
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8), persistent=False)
+        # [K/G, N, 2]: each group's scale and zero in bf16 (the activations' dtype), and what bf16 left out
+        scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+        high = scale_zero.to(torch.bfloat16)
+        self.register_buffer("scale_zero", high, persistent=False)
+        self.register_buffer("scale_zero_rest", (scale_zero - high.float()).to(torch.bfloat16), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features] bf16 -> [T, out_features] bf16 (float32 from the int4 path with float_output)
+        if x.dim() != 2 or x.shape[0] > INT4_MAX_ROWS:
+            return self.dense(x)
+        high = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zero)
+        rest = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zero_rest)
+        return high.float().add_(rest) if self.float_output else high.add_(rest)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
+
+
+def can_use_int4(device: torch.device) -> bool:
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def find_four_bit_linears(model: nn.Module) -> dict[str, tuple]:
+    """The float32 model's bias-free linear layers whose weights are 4-bit groups -> their groups.
+    Call before the cast to bf16 (which would round the weights)."""
+    found = {}
+    for name, module in model.named_modules():
+        if (isinstance(module, nn.Linear) and module.bias is None and name != "lm_head"  # the head stays float32
+                and module.out_features % 16 == 0):  # the kernel's packing needs whole 16-row tiles
+            groups = four_bit_groups(module.weight.detach())
+            if groups is not None:
+                found[name] = groups
+    return found
+
+
+def use_int4_linears(model: nn.Module, four_bit: dict[str, tuple]) -> int:
+    """Wraps each layer named in `four_bit` (after the cast and packing) in an Int4Linear; returns how many."""
+    for name, (q, scale, zero) in four_bit.items():
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, Int4Linear(getattr(owner, child), q, scale, zero, child in FLOAT_OUTPUT_LAYERS))
+    return len(four_bit)
