@@ -116,11 +116,8 @@ def attention_inputs(case: AttentionCase, device: str, dtype=torch.bfloat16) -> 
     block_tables = torch.randperm(num_blocks, generator=g).view(B, -1).to(device=device, dtype=torch.int32)
     context_lens = torch.full((B,), L, dtype=torch.int32, device=device)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
-    key_pos = torch.arange(L, device=device)
-    key_slots = block_tables.long()[:, key_pos // bs] * bs + key_pos % bs  # [B, L]
     group = AttentionGroup(torch.arange(B, device=device)[:, None], torch.ones(B, 1, dtype=torch.bool, device=device),
-                           key_slots, torch.ones(B, 1, 1, L, dtype=torch.bool, device=device), block_tables,
-                           context_lens)
+                           torch.ones(B, 1, 1, L, dtype=torch.bool, device=device), block_tables, context_lens)
     return dict(q=rand(B, case.H, case.D), k_cache=rand(num_blocks, bs, case.HKV, case.D),
                 v_cache=rand(num_blocks, bs, case.HKV, case.D), group=group, scale=case.D ** -0.5)
 

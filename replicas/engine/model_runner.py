@@ -150,9 +150,7 @@ class ModelRunner:
         num_valid = torch.tensor([item.num_tokens for item in items], device=dev)  # [B]
         query_valid = torch.arange(num_queries, device=dev)[None, :] < num_valid[:, None]
         key_pos = torch.arange(max_context, device=dev)  # [L]
-        tables = torch.tensor(block_tables, dtype=torch.int64, device=dev)  # [B, num_blocks]
-        key_slots = tables[:, key_pos // self.block_size] * self.block_size + key_pos % self.block_size  # [B, L]
-        context = torch.tensor(context_lens, device=dev)
+        tables = torch.tensor(block_tables, dtype=torch.int32, device=dev)  # [B, num_blocks]
+        context = torch.tensor(context_lens, dtype=torch.int32, device=dev)
         mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < context[:, None, None])
-        return AttentionGroup(query_index, query_valid, key_slots, mask.unsqueeze(1), tables.to(torch.int32),
-                              context.to(torch.int32))
+        return AttentionGroup(query_index, query_valid, mask.unsqueeze(1), tables, context)

@@ -69,7 +69,7 @@ def test_varlen_batch_matches_dense(dtype, tol):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 def test_decode_reference_matches_group_path(dtype, tol):
     """naive_paged_decode_attention (the Triton decode kernel's spec) on the decode group's block_tables and
-    context_lens gives the rows naive_paged_attention gives through key_slots and mask."""
+    context_lens gives the rows naive_paged_attention gives through gathered blocks and mask."""
     batch, k_cache, v_cache, _, _ = build_batch([(9, 1), (22, 1), (0, 13), (3, 1), (30, 1)], dtype, seed=1)
     decode = batch.groups[0]
     assert decode.query_index.shape == (4, 1) and decode.block_tables.dtype == torch.int32

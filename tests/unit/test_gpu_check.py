@@ -37,7 +37,7 @@ def test_kernel_timings_run_on_cpu_at_tiny_shapes(gpu_check, monkeypatch):
     monkeypatch.setattr(gpu_check, "SAMPLING_SHAPE", (3, 2000))
     monkeypatch.setattr(gpu_check, "KERNEL_REPEATS", 1)
     args = gpu_check.attention_inputs(gpu_check.ATTENTION_CASES[0], "cpu")
-    assert args["group"].key_slots.shape == (2, 40) and args["group"].block_tables.shape == (2, 3)
+    assert args["group"].mask.shape == (2, 1, 1, 40) and args["group"].block_tables.shape == (2, 3)
     rows = gpu_check.attention_timings("cpu") + gpu_check.sampling_timings("cpu")
     assert [r[0] for r in rows] == ["decode B=2 ctx=40", "sample 3x2000 greedy", "sample 3x2000 drawn"]
     assert all(r[1] > 0 and r[2] > 0 and r[3] > 0 for r in rows)

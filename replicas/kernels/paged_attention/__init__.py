@@ -36,16 +36,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if not use_triton(q):
         return naive_paged_attention(q, k_cache, v_cache, groups, scale)
     paged_decode_attention = _triton_ops()[0]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     out = torch.empty_like(q)
     for g in groups:  # at most two: decode rows, prefill chunks
         if g.query_index.shape[1] == 1:  # decode: every row valid, one query at position context_len - 1
             rows = g.query_index[:, 0]  # [B]
             out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, g.block_tables, g.context_lens, scale)
         else:
-            naive_group_attention(q, k_flat, v_flat, g, scale, out)
+            naive_group_attention(q, k_cache, v_cache, g, scale, out)
     return out
 
 

@@ -9,17 +9,17 @@ The step's sequences are split into at most two groups (decode rows, prefill
 chunks) so a decode batch never pads to a prefill chunk's length. Each group is
 a padded view, built once per step by the model runner and shared by all layers:
 
-    query_index [B, Q]   row of each query in the flattened T (padding -> any row)
-    query_valid [B, Q]   False on padding
-    key_slots   [B, L]   cache slot of key position j of sequence b (padding -> slot 0)
-    mask        [B, 1, Q, L]  key j visible to query i: j <= position(i), j < context_len(b)
-    block_tables [B, N] int32 the blocks of sequence b (padding -> block 0), N = ceil(L / block_size)
-    context_lens [B] int32    keys of sequence b after this step (the Triton decode kernel reads these two)
+    query_index  [B, Q]        row of each query in the flattened T (padding -> any row)
+    query_valid  [B, Q]        False on padding
+    mask         [B, 1, Q, L]  key j visible to query i: j <= position(i), j < context_len(b)
+    block_tables [B, N] int32  the blocks of sequence b (padding -> block 0), N = ceil(L / block_size)
+    context_lens [B] int32     keys of sequence b after this step (the Triton decode kernel reads these two)
 
-No Python loop over sequences: one gather, one SDPA and one scatter per group.
+No Python loop over sequences: per group, one gather of whole blocks (N block copies, not L slot
+copies), one attention, one scatter of the valid rows (positions found once per step, not per layer).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +29,15 @@ import torch.nn.functional as F
 class AttentionGroup:
     query_index: torch.Tensor  # [B, Q] int64
     query_valid: torch.Tensor  # [B, Q] bool
-    key_slots: torch.Tensor  # [B, L] int64
     mask: torch.Tensor  # [B, 1, Q, L] bool
     block_tables: torch.Tensor  # [B, N] int32
     context_lens: torch.Tensor  # [B] int32
+    valid_positions: torch.Tensor = field(init=False)  # [n] int64, the valid queries' positions in [B * Q]
+    valid_rows: torch.Tensor = field(init=False)  # [n] int64, their rows in T
+
+    def __post_init__(self):
+        self.valid_positions = self.query_valid.reshape(-1).nonzero().squeeze(1)
+        self.valid_rows = self.query_index.reshape(-1)[self.valid_positions]
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -46,28 +51,34 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 def naive_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           groups: list[AttentionGroup], scale: float) -> torch.Tensor:
     # q: [T, H, D] -> out: [T, H, D]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     out = torch.empty_like(q)
     for g in groups:  # at most two: decode rows, prefill chunks
-        naive_group_attention(q, k_flat, v_flat, g, scale, out)
+        naive_group_attention(q, k_cache, v_cache, g, scale, out)
     return out
 
 
-def naive_group_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, g: AttentionGroup,
+def naive_group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttentionGroup,
                           scale: float, out: torch.Tensor) -> None:
-    """Writes the rows of one group into out. q, out: [T, H, D]; k_flat, v_flat: [num_slots, Hkv, D]."""
+    """Writes the rows of one group into out. q, out: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]."""
+    num_seqs, num_queries = g.query_index.shape
+    num_keys = g.mask.shape[-1]
     q_g = q[g.query_index].transpose(1, 2)  # [B, H, Q, D]
-    k_g = k_flat[g.key_slots].transpose(1, 2)  # [B, Hkv, L, D]
-    v_g = v_flat[g.key_slots].transpose(1, 2)
-    if q_g.shape[2] == 1:
+    k_g = gather_blocks(k_cache, g.block_tables)[:, :num_keys].transpose(1, 2)  # [B, Hkv, L, D]
+    v_g = gather_blocks(v_cache, g.block_tables)[:, :num_keys].transpose(1, 2)
+    if num_queries == 1:
         o_g = _decode_attention(q_g, k_g, v_g, g.mask, scale)
     else:
         o_g = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=g.mask, scale=scale,
                                              enable_gqa=q_g.shape[1] != k_g.shape[1])
-    o_g = o_g.transpose(1, 2)  # [B, Q, H, D]
-    out[g.query_index[g.query_valid]] = o_g[g.query_valid]
+    o_g = o_g.transpose(1, 2).reshape(num_seqs * num_queries, *q.shape[1:])  # [B * Q, H, D]
+    out.index_copy_(0, g.valid_rows, o_g if num_queries == 1 else o_g.index_select(0, g.valid_positions))
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, N] -> [B, N * block_size, Hkv, D]"""
+    num_seqs, num_blocks = block_tables.shape
+    return cache.index_select(0, block_tables.reshape(-1)).view(num_seqs, num_blocks * cache.shape[1],
+                                                                *cache.shape[2:])
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
