@@ -20,15 +20,19 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding, rotate-half convention (transformers' Llama)."""
+    """Rotary position embedding, rotate-half convention (transformers' Llama).
+
+    The tables hold each position's cos and signed sin over the full rotary width, so that
+    rotate(x) = x * cos + swap_halves(x) * sin: [x1 cos - x2 sin, x2 cos + x1 sin], as transformers
+    computes it (a - b and a + (-b) round alike), in five ops instead of ten."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)  # [P, D]
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)  # [P, D]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
@@ -36,14 +40,15 @@ class RotaryEmbedding(nn.Module):
         return rotate(q, cos, sin), rotate(k, cos, sin)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin at `positions`: [T, 1, D/2] each; once per step, shared by every layer."""
+        """cos, signed sin at `positions`: [T, 1, D] each; once per step, shared by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x [T, heads, D] in float32, cast back. cos, sin: [T, 1, D/2]."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate-half RoPE of x [T, heads, D] in float32, cast back. cos, sin: [T, 1, D] (RotaryEmbedding.tables)."""
+    x_float = x.float()
+    out = x_float * cos
+    out += x_float.roll(x.shape[-1] // 2, dims=-1).mul_(sin)  # [x2, x1] * [-sin, sin]
     return out.to(x.dtype)
 
 

@@ -120,6 +120,6 @@ def _init_buffers(model: torch.nn.Module, config, device: torch.device) -> None:
     # Buffers (rotary cos/sin) were made on the meta device; rebuild them for real.
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
-            head_dim = module.cos.shape[-1] * 2
+            head_dim = module.cos.shape[-1]
             fresh = RotaryEmbedding(head_dim, module.cos.shape[0], rope_theta(config)).to(device)
             module.cos, module.sin = fresh.cos, fresh.sin

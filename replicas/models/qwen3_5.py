@@ -53,7 +53,7 @@ class Qwen3_5Attention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
-        self.rotary_dim = rotary.cos.shape[-1] * 2
+        self.rotary_dim = rotary.cos.shape[-1]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:

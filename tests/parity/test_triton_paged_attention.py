@@ -6,13 +6,10 @@ size (one of 1), GQA groups of 3 and 8 query heads, a head dim that is not a pow
 splits (flash-decoding), bf16 and fp32.
 """
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton: kernels run on CPU tensors
 pytest.importorskip("triton")
 
 from replicas.kernels.paged_attention.naive import naive_paged_attention, naive_paged_decode_attention  # noqa: E402

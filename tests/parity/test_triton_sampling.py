@@ -7,13 +7,10 @@ rounding. Awkward shapes: V not a multiple of the 1024-wide block, forced splits
 entries, a row masked but for one entry, a fully masked row.
 """
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton: kernels run on CPU tensors
 pytest.importorskip("triton")
 
 from replicas.kernels.sampling.naive import naive_sample_rows  # noqa: E402

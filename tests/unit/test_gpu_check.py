@@ -2,14 +2,11 @@
 shapes; the Triton kernels under the interpreter), and without CUDA its entry point says so and succeeds."""
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton: kernels run on CPU tensors
 
 PATH = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
 

@@ -34,10 +34,13 @@ class AttentionGroup:
     context_lens: torch.Tensor  # [B] int32
     valid_positions: torch.Tensor = field(init=False)  # [n] int64, the valid queries' positions in [B * Q]
     valid_rows: torch.Tensor = field(init=False)  # [n] int64, their rows in T
+    mask_bias: torch.Tensor | None = field(init=False)  # decode (Q = 1): [B, 1, 1, L] float32, 0 visible, -inf not
 
     def __post_init__(self):
         self.valid_positions = self.query_valid.reshape(-1).nonzero().squeeze(1)
         self.valid_rows = self.query_index.reshape(-1)[self.valid_positions]
+        self.mask_bias = None if self.mask.shape[2] != 1 else \
+            torch.zeros(self.mask.shape, device=self.mask.device).masked_fill_(~self.mask, float("-inf"))
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -66,7 +69,7 @@ def naive_group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     k_g = gather_blocks(k_cache, g.block_tables)[:, :num_keys].transpose(1, 2)  # [B, Hkv, L, D]
     v_g = gather_blocks(v_cache, g.block_tables)[:, :num_keys].transpose(1, 2)
     if num_queries == 1:
-        o_g = _decode_attention(q_g, k_g, v_g, g.mask, scale)
+        o_g = _decode_attention(q_g, k_g, v_g, g.mask_bias, scale)
     else:
         o_g = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=g.mask, scale=scale,
                                              enable_gqa=q_g.shape[1] != k_g.shape[1])
@@ -81,15 +84,14 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
                                                                 *cache.shape[2:])
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_bias: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """One query per sequence, as two batched matmuls: on CPU several times faster than SDPA in bf16.
-    q: [B, H, 1, D]; k, v: [B, Hkv, L, D]; mask: [B, 1, 1, L] -> [B, H, 1, D]"""
+    q: [B, H, 1, D]; k, v: [B, Hkv, L, D]; mask_bias: [B, 1, 1, L] -> [B, H, 1, D]"""
     batch, num_heads, _, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # query heads grouped by KV head
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale).add_(mask_bias)  # [B, Hkv, G, L]
     probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.matmul(probs, v).view(batch, num_heads, 1, head_dim)
 
