@@ -1,9 +1,13 @@
 """What the Ray Serve path adds to time to first token: engine alone vs a no-op request vs the real thing.
 
-    python bench/serve_path.py [--prompt-tokens 100] [--reps 20] [--model default] [--threads 2]
+    python bench/serve_path.py [--prompt-tokens 100] [--reps 20] [--max-tokens 1] [--text] [--model default]
+                               [--threads 2]
 
 Three measurements of the same kind of request (a `--prompt-tokens` token-id prompt, unique per
-repetition so every one is a cold prefill; greedy, 1 output token), interleaved repetition by
+repetition so every one is a cold prefill; with --text, English text of that many tokens, as the peers
+bench sends, which the ingress tokenizes and the engine gets tokenized the same way; greedy, --max-tokens
+output tokens, timed to the first),
+interleaved repetition by
 repetition so that machine noise hits all three alike:
 - engine:  the replica's AsyncEngine in this process: `generate()` called -> first delta;
 - no-op:   HTTP POST /v1/completions (streamed) through the production path -- Serve's proxy ->
@@ -33,6 +37,7 @@ sys.path.insert(0, ROOT)
 from replicas.messages import GenerateDelta, GenerateRequest, SamplingParams  # noqa: E402
 
 SLACK_S = 0.005  # what the issue allows the path beyond engine + no-op
+SETTLE_S = 0.2  # after a measurement that leaves tokens to generate (--max-tokens > 1), before the next one
 
 
 class NoopReplica:
@@ -58,8 +63,24 @@ def unique_prompt(vocab_size: int, length: int, rep: int) -> list[int]:
     return [(1000 + rep * 7919 + i * 31) % (vocab_size - 1000) + 500 for i in range(length)]
 
 
-async def engine_ttft(engine, prompt: list[int], rep: int) -> float:
-    request = GenerateRequest(f"engine-{rep}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+def text_prompts(model: str, length: int):
+    """rep -> (text, its token ids as the ingress encodes a completions prompt): English, unique per rep."""
+    from bench.peer_workloads import long_prompt_builder
+    from replicas.models.prepare import prepare_model
+    from serve_app.render import Renderer
+
+    build, renderer = long_prompt_builder(), Renderer(str(prepare_model(model, progress=False)))
+
+    def prompt(rep: int) -> tuple[str, list[int]]:
+        nonce = f"Request {rep}-{time.time_ns()}."
+        text = build(nonce, length)
+        return text, renderer.encode_prompt(text)
+
+    return prompt
+
+
+async def engine_ttft(engine, prompt: list[int], rep: int, max_tokens: int) -> float:
+    request = GenerateRequest(f"engine-{rep}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     start = time.perf_counter()
     stream = engine.generate(request)
     try:
@@ -69,8 +90,8 @@ async def engine_ttft(engine, prompt: list[int], rep: int) -> float:
         await stream.aclose()
 
 
-def http_ttft(client: httpx.Client, prefix: str, model: str, prompt: list[int]) -> float:
-    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+def http_ttft(client: httpx.Client, prefix: str, model: str, prompt: str | list[int], max_tokens: int = 1) -> float:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     start = time.perf_counter()
     with client.stream("POST", f"{prefix}/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -103,6 +124,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--text", action="store_true", help="English text prompts (tokenized by the ingress)")
+    parser.add_argument("--max-tokens", type=int, default=1, help="tokens each request generates (the no-op: 1); "
+                        "with more, the engine keeps decoding while the first token travels back")
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -125,14 +149,20 @@ def main() -> None:
     config = EngineConfig(model=str(prepare_model(args.model, progress=False)), dtype=args.dtype)
     engine = AsyncEngine(lambda: Engine(config), args.threads)
     vocab = engine.engine.tokenizer.vocab_size
+    text_prompt = text_prompts(args.model, args.prompt_tokens) if args.text else None
     loop = asyncio.new_event_loop()
     times = {"engine": [], "no-op": [], "serve": []}
     with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=120) as client:
         for rep in range(-2, args.reps):  # two warm-up repetitions, not counted
-            prompt = unique_prompt(vocab, args.prompt_tokens, rep + 2)
-            sample = {"engine": loop.run_until_complete(engine_ttft(engine, prompt, rep)),
-                      "no-op": http_ttft(client, "/noop", model, prompt),
-                      "serve": http_ttft(client, "", model, prompt)}
+            if text_prompt:
+                prompt, prompt_ids = text_prompt(rep)
+            else:
+                prompt = prompt_ids = unique_prompt(vocab, args.prompt_tokens, rep + 2)
+            sample = {"engine": loop.run_until_complete(engine_ttft(engine, prompt_ids, rep, args.max_tokens))}
+            time.sleep(SETTLE_S)  # the aborted request's last step ends before the next measurement
+            sample["no-op"] = http_ttft(client, "/noop", model, prompt)
+            sample["serve"] = http_ttft(client, "", model, prompt, args.max_tokens)
+            time.sleep(SETTLE_S)
             if rep >= 0:
                 for name, seconds in sample.items():
                     times[name].append(seconds)
@@ -144,7 +174,9 @@ def main() -> None:
 
 def report(times: dict, info: dict, args) -> None:
     med = {name: statistics.median(values) for name, values in times.items()}
-    print(f"\n{args.prompt_tokens}-token prompt, {info['dtype']}, {args.threads} threads, "
+    kind = "text" if args.text else "token-id"
+    print(f"\n{args.prompt_tokens}-token {kind} prompt, {args.max_tokens} output tokens, {info['dtype']}, "
+          f"{args.threads} threads, "
           f"medians of {args.reps} (ms):")
     print("| path | TTFT p50 | min | max |\n|---|---|---|---|")
     for name, values in times.items():

@@ -94,7 +94,8 @@ def test_smollm2_bfloat16_stays_close_to_float32(smollm2_dir):
     prefill (prompt + fp32's tokens at once) and as each engine decodes alone (one-row steps: the int4
     kernel's path on this Q4_1 checkpoint, up to a divergence)."""
     engines = {dtype: Engine(EngineConfig(model=str(smollm2_dir), dtype=dtype)) for dtype in ("float32", "bfloat16")}
-    assert any(isinstance(m, Int4Linear) for m in engines["bfloat16"].model.modules()) == can_use_int4(torch.device("cpu"))
+    uses_int4 = any(isinstance(m, Int4Linear) for m in engines["bfloat16"].model.modules())
+    assert uses_int4 == can_use_int4(torch.device("cpu"))  # SmolLM2 is Q4_1: its linears are 4-bit groups
     prompts = [chat_ids(engines["float32"].tokenizer, text) for text in PROMPTS]
     greedy = {dtype: run_all(engine, [GenerateRequest(f"p{i}", ids, SamplingParams(temperature=0.0, max_tokens=16))
                                       for i, ids in enumerate(prompts)])
