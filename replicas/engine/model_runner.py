@@ -139,11 +139,14 @@ class ModelRunner:
         block_tables = [item.request.block_table[:num_blocks] for item in items]
         block_tables = [bt + [0] * (num_blocks - len(bt)) for bt in block_tables]
         query_index, query_pos = [], []
+        key_ends = [0] * num_queries  # row i: keys any sequence's query i sees
         for i, item in zip(members, items):
             pad = num_queries - item.num_tokens
             query_index.append(list(range(cu_seqlens[i], cu_seqlens[i + 1])) + [cu_seqlens[i]] * pad)
             first = item.request.num_computed_tokens
             query_pos.append(list(range(first, first + item.num_tokens)) + [0] * pad)
+            sees = range(first + 1, first + item.num_tokens + 1)  # query i at position first + i
+            key_ends[:item.num_tokens] = map(max, key_ends[:item.num_tokens], sees)
         dev = self.device
         query_index = torch.tensor(query_index, dtype=torch.int64, device=dev)  # [B, Q]
         query_pos = torch.tensor(query_pos, dtype=torch.int64, device=dev)  # [B, Q]
@@ -153,4 +156,4 @@ class ModelRunner:
         tables = torch.tensor(block_tables, dtype=torch.int32, device=dev)  # [B, num_blocks]
         context = torch.tensor(context_lens, dtype=torch.int32, device=dev)
         mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < context[:, None, None])
-        return AttentionGroup(query_index, query_valid, mask.unsqueeze(1), tables, context)
+        return AttentionGroup(query_index, query_valid, mask.unsqueeze(1), tables, context, key_ends)

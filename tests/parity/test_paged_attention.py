@@ -10,7 +10,7 @@ import torch
 from replicas.engine.model_runner import ModelRunner
 from replicas.engine.request import Request
 from replicas.engine.scheduler import ScheduledRequest
-from replicas.kernels.paged_attention import naive_paged_attention, naive_paged_decode_attention, store_kvcache
+from replicas.kernels.paged_attention import naive, naive_paged_attention, naive_paged_decode_attention, store_kvcache
 from replicas.messages import SamplingParams
 
 H, HKV, D, BLOCK = 6, 2, 16, 4
@@ -55,10 +55,15 @@ def build_batch(shapes: list[tuple[int, int]], dtype, seed: int = 0, num_blocks:
     return batch, k_cache, v_cache, scheduled, full_kv
 
 
+@pytest.mark.parametrize("tile", [64, 4], ids=["whole", "tiled"])  # prefill queries per SDPA call
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
-def test_varlen_batch_matches_dense(dtype, tol):
-    # two decode rows, two prefill chunks, one from scratch
-    batch, k_cache, v_cache, scheduled, full_kv = build_batch([(9, 1), (22, 1), (0, 13), (7, 6), (30, 1)], dtype)
+def test_varlen_batch_matches_dense(dtype, tol, tile, monkeypatch):
+    monkeypatch.setattr(naive, "PREFILL_TILE", tile)
+    # two decode rows, three prefill chunks (one from scratch), of different lengths and cached prefixes
+    shapes = [(9, 1), (22, 1), (0, 13), (7, 6), (30, 1), (20, 9)]
+    batch, k_cache, v_cache, scheduled, full_kv = build_batch(shapes, dtype)
+    prefill = batch.groups[1]
+    assert prefill.key_ends == [max(c + i + 1 for c, n in shapes if n > 1 and n > i) for i in range(13)]
     q = torch.randn(batch.input_ids.numel(), H, D, dtype=dtype)
     out = naive_paged_attention(q, k_cache, v_cache, batch.groups, D ** -0.5)  # [T, H, D]
     for s, (k, v), lo, hi in zip(scheduled, full_kv, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):

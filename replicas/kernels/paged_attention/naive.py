@@ -14,6 +14,7 @@ a padded view, built once per step by the model runner and shared by all layers:
     mask         [B, 1, Q, L]  key j visible to query i: j <= position(i), j < context_len(b)
     block_tables [B, N] int32  the blocks of sequence b (padding -> block 0), N = ceil(L / block_size)
     context_lens [B] int32     keys of sequence b after this step (the Triton decode kernel reads these two)
+    key_ends     Q host ints   keys any query of row i can see, max_b position(b, i) + 1 (prefill tiling)
 
 No Python loop over sequences: per group, one gather of whole blocks (N block copies, not L slot
 copies), one attention, one scatter of the valid rows (positions found once per step, not per layer).
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+PREFILL_TILE = 64  # query rows per SDPA call in a prefill group (_prefill_attention)
+
 
 @dataclass(slots=True)
 class AttentionGroup:
@@ -32,6 +35,7 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, 1, Q, L] bool
     block_tables: torch.Tensor  # [B, N] int32
     context_lens: torch.Tensor  # [B] int32
+    key_ends: list[int] | None = None  # [Q]; None: every row may see all L keys
     valid_positions: torch.Tensor = field(init=False)  # [n] int64, the valid queries' positions in [B * Q]
     valid_rows: torch.Tensor = field(init=False)  # [n] int64, their rows in T
     mask_bias: torch.Tensor | None = field(init=False)  # decode (Q = 1): [B, 1, 1, L] float32, 0 visible, -inf not
@@ -71,8 +75,7 @@ def naive_group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if num_queries == 1:
         o_g = _decode_attention(q_g, k_g, v_g, g.mask_bias, scale)
     else:
-        o_g = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=g.mask, scale=scale,
-                                             enable_gqa=q_g.shape[1] != k_g.shape[1])
+        o_g = _prefill_attention(q_g, k_g, v_g, g.mask, g.key_ends, scale)
     o_g = o_g.transpose(1, 2).reshape(num_seqs * num_queries, *q.shape[1:])  # [B * Q, H, D]
     out.index_copy_(0, g.valid_rows, o_g if num_queries == 1 else o_g.index_select(0, g.valid_positions))
 
@@ -82,6 +85,26 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     num_seqs, num_blocks = block_tables.shape
     return cache.index_select(0, block_tables.reshape(-1)).view(num_seqs, num_blocks * cache.shape[1],
                                                                 *cache.shape[2:])
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       key_ends: list[int] | None, scale: float) -> torch.Tensor:
+    """SDPA over tiles of PREFILL_TILE query rows, each over only the keys its rows can see: the CPU flash
+    kernel does not skip masked-out key blocks, so a causal chunk computed whole pays for its upper triangle
+    (512 x 512 causal: 7.1 -> 5.1 ms per layer in tiles of 64; same values).
+    q: [B, H, Q, D]; k, v: [B, Hkv, L, D]; mask: [B, 1, Q, L] -> [B, H, Q, D]"""
+    gqa = q.shape[1] != k.shape[1]
+    num_queries = q.shape[2]
+    if key_ends is None or num_queries <= PREFILL_TILE:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    tiles = []
+    for start in range(0, num_queries, PREFILL_TILE):
+        stop = min(num_queries, start + PREFILL_TILE)
+        end = max(key_ends[start:stop])  # the tile's rows see keys [0, end)
+        tiles.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :end], v[:, :, :end],
+                                                    attn_mask=mask[:, :, start:stop, :end], scale=scale,
+                                                    enable_gqa=gqa))
+    return torch.cat(tiles, dim=2)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_bias: torch.Tensor,
