@@ -100,6 +100,19 @@ class GenerateDelta:
     num_reasoning_tokens: int = 0  # generated tokens up to and including the reasoning end tag
     replica_id: str = ""
 
+    @classmethod
+    def merged(cls, deltas: list["GenerateDelta"]) -> "GenerateDelta":
+        """Consecutive deltas of one request as one: ids, text and logprobs joined; the counters and the
+        finish reason of the last; the first delta's prompt fields."""
+        if len(deltas) == 1:
+            return deltas[0]
+        first, last = deltas[0], deltas[-1]
+        logprobs = None if all(d.logprobs is None for d in deltas) else [e for d in deltas for e in d.logprobs or []]
+        return cls(last.request_id, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
+                   last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, last.num_generated_tokens,
+                   last.num_retained_tokens, last.retention, first.prompt_token_ids, logprobs, first.prompt_logprobs,
+                   last.num_reasoning_tokens, last.replica_id)
+
 
 class RequestError(Exception):
     """A request the server refuses, as the HTTP status and OpenAI error body it becomes."""

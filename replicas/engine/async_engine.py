@@ -58,11 +58,17 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
+                ready = [await stream.get()]
+                while not stream.empty():  # steps that ran while the caller was busy: one delta for them all
+                    ready.append(stream.get_nowait())
+                deltas = [item for item in ready if isinstance(item, GenerateDelta)]
+                if deltas:
+                    delta = GenerateDelta.merged(deltas)
+                    finished = delta.finish_reason is not None
+                    yield delta
+                for item in ready:
+                    if isinstance(item, BaseException):  # an engine failure comes after the deltas before it
+                        raise item
         finally:
             self._streams.pop(request.request_id, None)
             if not finished:

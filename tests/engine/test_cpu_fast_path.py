@@ -46,6 +46,31 @@ def test_the_engine_is_built_and_stepped_on_one_thread_with_its_thread_count(tin
         engine.shutdown()
 
 
+def test_a_slow_reader_gets_the_ready_tokens_as_one_delta_and_loses_nothing(tiny_llama_dir):
+    """Deltas that queue while the caller is busy (a slow HTTP path) come out merged: fewer, larger
+    deltas whose ids, text and logprobs are exactly a prompt reader's."""
+    engine = AsyncEngine(lambda: Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32")))
+    request = lambda rid: greedy(rid, prompts([9])[0], max_tokens=12, logprobs=1, ignore_eos=True)  # noqa: E731
+
+    async def read(rid: str, pause_s: float):
+        deltas = []
+        async for delta in engine.generate(request(rid)):
+            deltas.append(delta)
+            await asyncio.sleep(pause_s)  # the caller busy elsewhere while the engine steps on
+        return deltas
+
+    try:
+        prompt_reader, slow_reader = asyncio.run(read("prompt", 0.0)), asyncio.run(read("slow", 0.2))
+    finally:
+        engine.shutdown()
+    joined = lambda ds: ([t for d in ds for t in d.token_ids], "".join(d.text for d in ds),  # noqa: E731
+                         [(e.token_id, e.logprob) for d in ds for e in d.logprobs])
+    assert joined(slow_reader) == joined(prompt_reader) and len(joined(slow_reader)[0]) == 12
+    assert len(slow_reader) < len(prompt_reader)  # merged
+    assert slow_reader[0].prompt_token_ids == prompts([9])[0] and slow_reader[-1].finish_reason == "length"
+    assert slow_reader[-1].num_generated_tokens == 12
+
+
 def test_an_engine_that_fails_to_build_raises_in_the_constructor():
     def build() -> Engine:
         raise ValueError("no such model")
