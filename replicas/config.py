@@ -40,6 +40,9 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="torch threads; default: the CPUs Ray gives the replica.")
     pack_weights: bool = Field(True, description="CPU, bfloat16: reorder each linear weight once into oneDNN's "
                                                  "layout (identical results, ~2x faster decode matmuls).")
+    stream_interval: int = Field(4, ge=1, le=64, description="While steps make at least this many tokens (as many "
+                                 "streams decoding), each stream's tokens go out in deltas of this many (its first "
+                                 "token at once); below it, token by token. 1: always token by token.")
     int4_decode: bool = Field(True, description="CPU, bfloat16: linears whose checkpoint weights are 4-bit groups "
                                                 "(GGUF Q4_0/Q4_1) run batches of up to 8 rows on the int4 groups.")
 

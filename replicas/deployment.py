@@ -41,7 +41,7 @@ class ModelReplica:
         # The model may be a spec ('default', a .gguf): prepare it on this node (cached, locked).
         config = config.model_copy(update={"model": str(prepare_model(config.model, progress=False))})
         num_threads = resolve_threads(config.num_threads)
-        self.engine = AsyncEngine(lambda: Engine(config), num_threads)
+        self.engine = AsyncEngine(lambda: Engine(config), num_threads, config.stream_interval)
         self.replica_id = current_replica_id()
         self.metrics = ReplicaMetrics(self.replica_id)  # a no-op outside Ray
         # Over the requests that came with the router's prediction for this replica.

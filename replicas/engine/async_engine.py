@@ -25,10 +25,16 @@ from replicas.messages import GenerateDelta, GenerateRequest
 
 
 class AsyncEngine:
-    def __init__(self, build_engine: Callable[[], Engine], num_threads: int | None = None):
+    def __init__(self, build_engine: Callable[[], Engine], num_threads: int | None = None,
+                 stream_interval: int = 1):
         """`build_engine` runs on the step thread, after torch.set_num_threads(num_threads) there; an
-        error building it is raised here."""
+        error building it is raised here. `stream_interval`: while steps make at least that many tokens
+        (as many streams decoding), each request's tokens go to its caller in deltas of that many (its
+        first and last token at once), merged on the step thread; below it, token by token. Each delta
+        that crosses to the event loop, Ray and HTTP costs CPU the engine's threads then lack."""
         self.engine: Engine | None = None
+        self.stream_interval = stream_interval
+        self._held: dict[str, list[GenerateDelta]] = {}  # step thread only: deltas not handed over yet
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -120,6 +126,7 @@ class AsyncEngine:
                 return
             if kind == "abort":
                 self.engine.abort_request(payload)
+                self._held.pop(payload, None)
             elif payload.request_id in self._streams:  # an add whose caller is still there
                 try:
                     self.engine.add_request(payload)
@@ -127,8 +134,15 @@ class AsyncEngine:
                     self._deliver_to(payload.request_id, exc)
 
     def _deliver(self, deltas: list[GenerateDelta]) -> None:
+        batching = len(deltas) >= self.stream_interval  # many tokens ready per step: hold them in groups
         for delta in deltas:
-            self._deliver_to(delta.request_id, delta)
+            held = self._held.pop(delta.request_id, [])
+            held.append(delta)
+            if (not batching or delta.finish_reason is not None or delta.num_generated_tokens == 1
+                    or delta.num_generated_tokens % self.stream_interval == 0):
+                self._deliver_to(delta.request_id, GenerateDelta.merged(held))
+            elif delta.request_id in self._streams:  # a caller gone (aborted) keeps nothing here
+                self._held[delta.request_id] = held
 
     def _deliver_to(self, request_id: str, item) -> None:
         entry = self._streams.get(request_id)

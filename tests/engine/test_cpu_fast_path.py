@@ -71,6 +71,34 @@ def test_a_slow_reader_gets_the_ready_tokens_as_one_delta_and_loses_nothing(tiny
     assert slow_reader[-1].num_generated_tokens == 12
 
 
+def test_stream_interval_groups_tokens_only_while_many_streams_decode(tiny_llama_dir):
+    """stream_interval 4: with 4 streams decoding, each stream's first token comes at once and the rest
+    in groups of 4; one stream alone gets every token at once. Nothing is lost or reordered."""
+    engines = {k: AsyncEngine(lambda: Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32")),
+                              stream_interval=k) for k in (1, 4)}
+    request = lambda rid: greedy(rid, prompts([9])[0], max_tokens=10, ignore_eos=True, logprobs=0)  # noqa: E731
+
+    async def read(engine: AsyncEngine, num_streams: int):
+        async def one(rid: str):
+            return [d async for d in engine.generate(request(rid))]
+        return await asyncio.gather(*(one(f"r{i}") for i in range(num_streams)))
+
+    try:
+        alone = {k: asyncio.run(read(engine, 1))[0] for k, engine in engines.items()}
+        together = {k: asyncio.run(read(engine, 4)) for k, engine in engines.items()}
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    assert [d.num_generated_tokens for d in alone[4]] == list(range(1, 11))  # one stream: token by token
+    joined = lambda ds: ([t for d in ds for t in d.token_ids], "".join(d.text for d in ds),  # noqa: E731
+                         [e.token_id for d in ds for e in d.logprobs])
+    for grouped, plain in zip(together[4], together[1]):
+        counts = [d.num_generated_tokens for d in grouped]  # [1, 4, 8, 10]: tokens 1 | 2-4 | 5-8 | 9-10
+        # (a reader that lags may get two groups as one: only the boundaries are fixed)
+        assert counts[0] == 1 and counts[-1] == 10 and all(c % 4 == 0 for c in counts[1:-1]) and len(counts) <= 4
+        assert joined(grouped) == joined(plain) == joined(alone[1])
+
+
 def test_an_engine_that_fails_to_build_raises_in_the_constructor():
     def build() -> Engine:
         raise ValueError("no such model")
