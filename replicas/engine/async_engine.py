@@ -134,12 +134,10 @@ class AsyncEngine:
                     self._deliver_to(payload.request_id, exc)
 
     def _deliver(self, deltas: list[GenerateDelta]) -> None:
-        batching = len(deltas) >= self.stream_interval  # many tokens ready per step: hold them in groups
         for delta in deltas:
             held = self._held.pop(delta.request_id, [])
             held.append(delta)
-            if (not batching or delta.finish_reason is not None or delta.num_generated_tokens == 1
-                    or delta.num_generated_tokens % self.stream_interval == 0):
+            if is_delivery_due(delta, len(deltas), self.stream_interval):
                 self._deliver_to(delta.request_id, GenerateDelta.merged(held))
             elif delta.request_id in self._streams:  # a caller gone (aborted) keeps nothing here
                 self._held[delta.request_id] = held
@@ -149,3 +147,11 @@ class AsyncEngine:
         if entry is not None:
             loop, stream = entry
             loop.call_soon_threadsafe(stream.put_nowait, item)
+
+
+def is_delivery_due(delta: GenerateDelta, num_step_deltas: int, stream_interval: int) -> bool:
+    """Whether a request's held deltas go to its caller with this one: always below `stream_interval`
+    deltas per step (few streams: token by token); else at its first token, its last, and every
+    `stream_interval`-th."""
+    return (num_step_deltas < stream_interval or delta.finish_reason is not None
+            or delta.num_generated_tokens == 1 or delta.num_generated_tokens % stream_interval == 0)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from replicas.config import EngineConfig
-from replicas.engine.async_engine import AsyncEngine
+from replicas.engine.async_engine import AsyncEngine, is_delivery_due
 from replicas.engine.engine import Engine
+from replicas.messages import GenerateDelta
 from replicas.kernels.cpu_linear import PackedLinear, can_pack
 from tests.engine.conftest import greedy, prompts, run_all
 
@@ -66,14 +67,14 @@ def test_a_slow_reader_gets_the_ready_tokens_as_one_delta_and_loses_nothing(tiny
     joined = lambda ds: ([t for d in ds for t in d.token_ids], "".join(d.text for d in ds),  # noqa: E731
                          [(e.token_id, e.logprob) for d in ds for e in d.logprobs])
     assert joined(slow_reader) == joined(prompt_reader) and len(joined(slow_reader)[0]) == 12
-    assert len(slow_reader) < len(prompt_reader)  # merged
+    assert len(slow_reader) < 12  # merged: fewer deltas than tokens
     assert slow_reader[0].prompt_token_ids == prompts([9])[0] and slow_reader[-1].finish_reason == "length"
     assert slow_reader[-1].num_generated_tokens == 12
 
 
 def test_stream_interval_groups_tokens_only_while_many_streams_decode(tiny_llama_dir):
     """stream_interval 4: with 4 streams decoding, each stream's first token comes at once and the rest
-    in groups of 4; one stream alone gets every token at once. Nothing is lost or reordered."""
+    in groups of 4. Nothing is lost or reordered, grouped or not, alone or together."""
     engines = {k: AsyncEngine(lambda: Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32")),
                               stream_interval=k) for k in (1, 4)}
     request = lambda rid: greedy(rid, prompts([9])[0], max_tokens=10, ignore_eos=True, logprobs=0)  # noqa: E731
@@ -89,14 +90,22 @@ def test_stream_interval_groups_tokens_only_while_many_streams_decode(tiny_llama
     finally:
         for engine in engines.values():
             engine.shutdown()
-    assert [d.num_generated_tokens for d in alone[4]] == list(range(1, 11))  # one stream: token by token
     joined = lambda ds: ([t for d in ds for t in d.token_ids], "".join(d.text for d in ds),  # noqa: E731
                          [e.token_id for d in ds for e in d.logprobs])
     for grouped, plain in zip(together[4], together[1]):
         counts = [d.num_generated_tokens for d in grouped]  # [1, 4, 8, 10]: tokens 1 | 2-4 | 5-8 | 9-10
         # (a reader that lags may get two groups as one: only the boundaries are fixed)
-        assert counts[0] == 1 and counts[-1] == 10 and all(c % 4 == 0 for c in counts[1:-1]) and len(counts) <= 4
+        assert counts[-1] == 10 and all(c == 1 or c % 4 == 0 for c in counts[:-1]) and len(counts) <= 4
         assert joined(grouped) == joined(plain) == joined(alone[1])
+
+
+def test_delivery_is_due_token_by_token_for_few_streams_and_in_groups_for_many():
+    delta = lambda n, finish=None: GenerateDelta("r", [n], "x", finish, num_generated_tokens=n)  # noqa: E731
+    assert all(is_delivery_due(delta(n), num_step_deltas=3, stream_interval=4) for n in range(1, 12))
+    due = [n for n in range(1, 12) if is_delivery_due(delta(n), num_step_deltas=8, stream_interval=4)]
+    assert due == [1, 4, 8]  # the first token at once, then every 4th
+    assert is_delivery_due(delta(6, "stop"), num_step_deltas=8, stream_interval=4)  # the last always
+    assert all(is_delivery_due(delta(n), num_step_deltas=8, stream_interval=1) for n in range(1, 12))
 
 
 def test_an_engine_that_fails_to_build_raises_in_the_constructor():
