@@ -4,9 +4,10 @@ A GGUF Q4_0 / Q4_1 checkpoint (the default SmolLM2 is Q4_1) stores each run of 3
 row as `d * q + m` with q in 0..15. Dequantized to float32 the groups keep that form exactly, so
 `four_bit_groups` recovers (q, scale, zero) and proves it by rebuilding the weight; nothing that is
 not already 4-bit is quantized here. At decode sizes a step streams every weight once and the
-4-bit copy is a quarter of the bf16 one: `torch.ops.aten._weight_int4pack_mm_for_cpu` (what
-gpt-fast / torchao use) then beats the packed bf16 matmul up to ~8 rows (`bench/cpu_linear.py`).
-Larger batches (prefill chunks) keep the dense bf16 path, where the int4 kernel is 2x slower.
+4-bit copy is a quarter of the bf16 one: one pass of `torch.ops.aten._weight_int4pack_mm_for_cpu`
+(what gpt-fast / torchao use) beats the packed bf16 matmul up to ~8 rows, the two passes below up to
+2 (INT4_MAX_ROWS; `python bench/engine_ab.py int4`). Larger batches (prefill chunks) keep the dense
+bf16 path, where the int4 kernel is 2x slower.
 The kernel takes bf16 activations and bf16 scale / zero, and rounds its output to bf16. Rounding each
 group's scale and offset to bf16 moved SmolLM2's decode logprobs by up to 0.069 from float32's (the
 dense bf16 path, which rounds each weight: 0.052). So each layer runs the kernel twice over the same
