@@ -7,7 +7,7 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install install-test model serve test bench clean
+.PHONY: install install-test model serve test test-avx2 bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,6 +32,10 @@ test: install-test
 	@start=$$(date +%s); \
 	$(PY) -m pytest -q tests; status=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s"; exit $$status
+
+# The AVX2-only host's suite on any newer x86 CPU: every ISA probe (replicas/cpu_isa.py), oneDNN and ATen capped.
+test-avx2:
+	TETHER_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(MAKE) test
 
 bench: install-test
 	$(PY) bench/throughput.py

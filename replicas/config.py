@@ -38,11 +38,15 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(512, ge=16, description="Token budget of one step (decode rows + prefill chunks).")
     max_model_len: int | None = Field(None, ge=16, description="Context length; default: the model's, capped at 8192.")
     num_threads: int | None = Field(None, ge=1, description="torch threads; default: the CPUs Ray gives the replica.")
-    pack_weights: bool = Field(True, description="CPU, bfloat16: reorder each linear weight once into oneDNN's "
-                                                 "layout (identical results, ~2x faster decode matmuls).")
+    pack_weights: bool = Field(True, description="CPU: reorder each linear weight once into oneDNN's layout "
+                                                 "(float32 on any x86 host, bfloat16 where the ISA allows; same "
+                                                 "results within rounding, 2-3x faster decode matmuls).")
     stream_interval: int = Field(4, ge=1, le=64, description="While steps make at least this many tokens (as many "
                                  "streams decoding), each stream's tokens go out in deltas of this many (its first "
                                  "token at once); below it, token by token. 1: always token by token.")
+    native_kernels: bool = Field(True, description="CPU: the native C++ ops (paged attention, int4 linears, "
+                                                   "fused norms / rotary / SiLU-and-mul), built once per host for "
+                                                   "its ISA; false, or where they cannot be built: PyTorch ops.")
     int4_decode: bool = Field(True, description="CPU, bfloat16: linears whose checkpoint weights are 4-bit groups "
                                                 "(GGUF Q4_0/Q4_1) run batches of up to 8 rows on the int4 groups.")
 

@@ -1,8 +1,13 @@
 """Device, precision and threads: what the hardware under a replica decides."""
 
+import logging
 import os
 
 import torch
+
+from replicas import cpu_isa
+
+logger = logging.getLogger("tether")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -12,20 +17,17 @@ def resolve_device(device: str) -> torch.device:
 
 
 def has_fast_bf16(device: torch.device) -> bool:
-    """CUDA, or a CPU with AMX or AVX512-BF16 (where oneDNN runs bf16 matmuls natively)."""
-    if device.type == "cuda":
-        return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    """CUDA, or a CPU with AMX or AVX512-BF16 (where oneDNN runs bf16 matmuls natively; replicas/cpu_isa.py,
+    which TETHER_CPU_ISA caps)."""
+    return device.type == "cuda" or cpu_isa.fast_bf16()
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if has_fast_bf16(device) else torch.float32
+    if dtype == "bfloat16" and not has_fast_bf16(device):
+        logger.warning("dtype bfloat16 on a CPU without AVX512-BF16 / AMX (ISA %s): bf16 matmuls are emulated, "
+                       "slower than float32 and further from it; dtype auto would choose float32", cpu_isa.cpu_isa())
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 

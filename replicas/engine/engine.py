@@ -46,7 +46,8 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device,
                                                      pack_weights=config.pack_weights,
-                                                     int4_decode=config.int4_decode)
+                                                     int4_decode=config.int4_decode,
+                                                     native=config.native_kernels)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         self.token_texts = TokenTexts(self.tokenizer)

@@ -1,8 +1,14 @@
-"""Small layers shared by the model families: RMSNorm, rotary embedding, merged projections, SwiGLU MLP."""
+"""Small layers shared by the model families: RMSNorm, rotary embedding, merged projections, SwiGLU MLP.
+
+Layers with a `native` attribute run the fused CPU ops (replicas/kernels/fused_cpu) when the loader sets it
+(`use_native_ops`); their PyTorch code is the reference those ops are tested against and the fallback.
+"""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from replicas.kernels import fused_cpu
 
 
 class RMSNorm(nn.Module):
@@ -10,13 +16,26 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.native = False
+        self._native_weights: dict[torch.dtype, torch.Tensor] = {}  # out dtype -> weight as it rounds, float32
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         # Normalise in float32 as transformers does, cast to the weights' dtype (the next matmul's
         # input) or to `out_dtype`, then scale. x may be a float32 residual stream.
-        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        # residual ([T, hidden] float32): residual += x in place, and the norm is of the sum.
         dtype = out_dtype or self.weight.dtype
+        if self.native and x.dim() == 2:
+            return fused_cpu.rms_norm(x, self._native_weight(dtype), self.eps, dtype, residual)
+        if residual is not None:
+            x = residual.add_(x)
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         return self.weight.to(dtype) * normed.to(dtype)
+
+    def _native_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._native_weights:
+            self._native_weights[dtype] = self.weight.detach().to(dtype).float().contiguous()
+        return self._native_weights[dtype]
 
 
 class RotaryEmbedding(nn.Module):
@@ -42,6 +61,27 @@ class RotaryEmbedding(nn.Module):
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin at `positions`: [T, 1, D] each; once per step, shared by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def step_rope(self, positions: torch.Tensor, native: bool) -> "StepRope":
+        """What every layer of one step rotates with: the native op reads the whole tables at `positions`;
+        the PyTorch path gathers them once per step."""
+        return StepRope(positions, self.cos, self.sin, None if native else self.tables(positions))
+
+
+class StepRope:
+    __slots__ = ("positions", "cos", "sin", "gathered")
+
+    def __init__(self, positions, cos, sin, gathered):
+        self.positions = positions  # [T]
+        self.cos, self.sin = cos, sin  # [P, D] float32, sin signed (RotaryEmbedding)
+        self.gathered = gathered  # (cos, sin) [T, 1, D] each, or None where the native op rotates
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] -> rotated; in place (x returned) on the native path."""
+        if self.gathered is None:
+            fused_cpu.rotary_embedding_(x, self.positions, self.cos, self.sin)
+            return x
+        return rotate(x, *self.gathered)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -77,9 +117,22 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.dim() == 2:
+            return self.down_proj(fused_cpu.silu_and_mul(self.gate_up_proj(x), x.dtype))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         # silu(gate) * up in float32, one rounding at the end; in place: two fewer [T, I] temporaries.
         product = F.silu(gate.float(), inplace=True).mul_(up)
         return self.down_proj(product.to(x.dtype))
+
+
+def use_native_ops(model: nn.Module) -> int:
+    """Turns on the fused CPU ops in every layer that has them, where they are built; returns how many layers."""
+    if fused_cpu.fused_ops() is None:
+        return 0
+    layers = [m for m in model.modules() if hasattr(m, "native")]
+    for module in layers:
+        module.native = True
+    return len(layers)

@@ -9,9 +9,9 @@ Module names follow the checkpoint names, so loading is a name-for-name copy.
 import torch
 from torch import nn
 
-from replicas.engine.forward_batch import ForwardBatch
 from replicas.kernels.paged_attention import paged_attention, store_kvcache
-from replicas.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, SwiGLU, rotate
+from replicas.models.forward_batch import ForwardBatch
+from replicas.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, StepRope, SwiGLU
 
 
 class LlamaAttention(nn.Module):
@@ -27,19 +27,19 @@ class LlamaAttention(nn.Module):
                                      bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
-        # x: [T, hidden]; rope: the step's cos, sin [T, 1, D/2]
+    def forward(self, rope: StepRope, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch) -> torch.Tensor:
+        # x: [T, hidden]
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
         # q and k are adjacent in qkv: one rotation for both.
-        qk = rotate(qkv[:, :qk_width].view(num_tokens, -1, self.head_dim), *rope)  # [T, H + Hkv, D]
+        qk = rope.rotate(qkv[:, :qk_width].view(num_tokens, -1, self.head_dim))  # [T, H + Hkv, D]
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, batch.groups, self.scale)  # [T, H, D]
+        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping, native=batch.groups is None)
+        o = paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(num_tokens, -1))
 
 
@@ -51,9 +51,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope, x, kv_cache, batch):
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: StepRope, x: torch.Tensor, pending: torch.Tensor | None, kv_cache, batch):
+        """x: the float32 residual stream [T, hidden], updated in place; pending: the previous layer's MLP
+        output, not yet added (None before the first layer): each add is fused into the norm that follows
+        it. -> (x, this layer's MLP output)"""
+        h = self.input_layernorm(x) if pending is None else self.input_layernorm(pending, residual=x)
+        h = self.post_attention_layernorm(self.self_attn(rope, h, kv_cache, batch), residual=x)
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -69,10 +73,11 @@ class LlamaModel(nn.Module):
         # The residual stream stays float32 whatever the weights' dtype: bf16 sums drift (the layers'
         # matmuls still run in the weights' dtype). -> [T, hidden] float32, for the float32 head.
         x = self.embed_tokens(input_ids).float()  # [T, hidden]
-        rope = self.rotary.tables(positions)
+        rope = self.rotary.step_rope(positions, native=self.norm.native)
+        pending = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(rope, x, kv_cache, batch)
-        return self.norm(x, out_dtype=torch.float32)
+            x, pending = layer(rope, x, pending, kv_cache, batch)
+        return self.norm(pending, out_dtype=torch.float32, residual=x)
 
 
 class LlamaForCausalLM(nn.Module):

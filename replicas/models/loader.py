@@ -8,7 +8,8 @@ from safetensors.torch import load_file
 
 from replicas.kernels.cpu_linear import can_pack, pack_linears
 from replicas.kernels.cpu_linear.int4 import can_use_int4, find_four_bit_linears, use_int4_linears
-from replicas.models.layers import MergedLinear, RotaryEmbedding
+from replicas.kernels.paged_attention import can_use_native_attention
+from replicas.models.layers import MergedLinear, RotaryEmbedding, use_native_ops
 from replicas.models.llama import LlamaForCausalLM, rope_theta
 from replicas.models.qwen3_5 import Qwen3_5ForCausalLM
 
@@ -25,11 +26,12 @@ def load_config(model_dir: str | Path):
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_weights: bool = False,
-               int4_decode: bool = False):
-    """-> (model, config). `pack_weights`: on CPU in bfloat16, every linear layer's weight reordered once
-    for oneDNN (replicas/kernels/cpu_linear: the same results, faster matmuls). `int4_decode`: on CPU in
+               int4_decode: bool = False, native: bool = False):
+    """-> (model, config). `pack_weights`: on CPU, every linear layer's weight reordered once for oneDNN
+    (bfloat16 ones where the ISA allows) (replicas/kernels/cpu_linear: the same results, faster matmuls). `int4_decode`: on CPU in
     bfloat16, layers whose checkpoint weights are 4-bit groups also keep them as such for decode-sized
-    batches (replicas/kernels/cpu_linear/int4.py)."""
+    batches (replicas/kernels/cpu_linear/int4.py). `native`: on CPU, the fused native ops where they build
+    (replicas/kernels/fused_cpu)."""
     config = load_config(model_dir)
     arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
     if arch not in ARCHITECTURES:
@@ -44,9 +46,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     model = model.to(dtype)
     _float32_head(model)
     _init_buffers(model, config, device)  # after the cast: rotary tables stay float32
-    if pack_weights and dtype == torch.bfloat16 and can_pack(device):
+    if pack_weights and can_pack(device):
         pack_linears(model)  # last: merged projections and the float32 head are final by now
     use_int4_linears(model, four_bit)  # around the packed (or plain) bf16 layers
+    # The native attention op reads the batch's block tables; the model runner builds the padded groups of
+    # the PyTorch path only where this is False.
+    model.native_attention = native and can_use_native_attention(device)
+    if native and device.type == "cpu":
+        use_native_ops(model)
     return model.eval(), config
 
 

@@ -16,8 +16,8 @@ Module names follow Qwen3_5ForCausalLM's state dict (`model.layers.{i}.linear_at
 import torch
 from torch import nn
 
-from replicas.engine.forward_batch import ForwardBatch
 from replicas.kernels.paged_attention import paged_attention, store_kvcache
+from replicas.models.forward_batch import ForwardBatch
 from replicas.models.gated_deltanet import GatedDeltaNet, LinearStateBatch
 from replicas.models.layers import RotaryEmbedding, SwiGLU
 from replicas.models.llama import rope_theta
@@ -65,8 +65,8 @@ class Qwen3_5Attention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self._rotate(positions, q, k)
         k_cache, v_cache = kv_cache
-        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, batch.groups, self.scale)  # [T, H, D]
+        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping, native=batch.groups is None)
+        o = paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, H, D]
         o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(num_tokens, -1))
 

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from replicas.config import EngineConfig
+from replicas.cpu_isa import cpu_isa
+from replicas.device import has_fast_bf16, resolve_dtype
 from replicas.engine.engine import Engine
 from replicas.kernels.cpu_linear.int4 import Int4Linear, can_use_int4
 from replicas.messages import GenerateRequest, SamplingParams
@@ -87,7 +89,12 @@ def decode_logprobs(engine: Engine, prompts: list[list[int]], max_tokens: int) -
     return out
 
 
+CPU = torch.device("cpu")
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(not has_fast_bf16(CPU), reason="bf16's tolerances hold where dtype auto chooses bf16 "
+                    f"(AVX512-BF16 or AMX); this host's ISA is {cpu_isa()}: the fallback test below runs instead")
 def test_smollm2_bfloat16_stays_close_to_float32(smollm2_dir):
     """The fast precision keeps the answers: bf16 greedy equals fp32 greedy over 16 tokens on at least
     4 of 5 prompts, and bf16's logprob of every token fp32 chose is within 0.05 of fp32's: scored at
@@ -117,6 +124,23 @@ def test_smollm2_bfloat16_stays_close_to_float32(smollm2_dir):
             worst_decode = max(worst_decode, abs(lp16 - lp32))
     assert worst_prefill <= 0.05, f"bf16 logprob of an fp32-chosen token off by {worst_prefill:.3f} at prefill"
     assert worst_decode <= 0.05, f"bf16 logprob of an fp32-chosen token off by {worst_decode:.3f} at decode"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(has_fast_bf16(CPU), reason="this host has fast bf16: the tolerance test above runs instead")
+def test_without_fast_bf16_auto_is_float32_and_an_explicit_bfloat16_still_serves(smollm2_dir):
+    """On a host without AVX512-BF16 (AVX2, or TETHER_CPU_ISA=avx2): dtype auto is float32 (whose greedy
+    equals transformers', test above), and a user's explicit bfloat16 builds an engine that generates
+    (emulated bf16: slower and further from float32, so no tolerance is claimed) instead of crashing."""
+    assert resolve_dtype("auto", CPU) == torch.float32
+    assert Engine(EngineConfig(model=str(smollm2_dir), dtype="auto", num_kv_blocks=64)).dtype == torch.float32
+    engine = Engine(EngineConfig(model=str(smollm2_dir), dtype="bfloat16", num_kv_blocks=64))
+    prompts = [chat_ids(engine.tokenizer, text) for text in PROMPTS[:2]]
+    got = run_all(engine, [GenerateRequest(f"p{i}", ids, SamplingParams(temperature=0.0, max_tokens=8,
+                                                                        ignore_eos=True))
+                           for i, ids in enumerate(prompts)])
+    assert all(len(ids) == 8 for ids in got.values())
+    assert decode_logprobs(engine, prompts[:1], 4)["p0"][0][0] == got["p0"][0]  # alone = batched, first token
 
 
 if __name__ == "__main__":

@@ -5,11 +5,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replicas.cpu_isa import cpu_isa
 from replicas.kernels.cpu_linear import PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu")), reason="this torch has no oneDNN packing")
+needs_bf16_packing = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16),
+                                        reason="oneDNN's bf16 weights need avx512 (BW/VL/DQ) or AVX-NE-CONVERT; "
+                                               f"this host's ISA is {cpu_isa()}")
 
 
+@needs_bf16_packing
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 def test_bfloat16_equals_f_linear_bit_for_bit(rows):
     torch.manual_seed(rows)
@@ -27,6 +32,7 @@ def test_float32_matches_f_linear_and_keeps_leading_dims():
     assert torch.allclose(out, F.linear(x, linear.weight), rtol=0, atol=1e-5)
 
 
+@needs_bf16_packing
 def test_pack_linears_replaces_every_linear_and_keeps_the_output():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(32, 48), nn.SiLU(), nn.Sequential(nn.Linear(48, 16, bias=False))).to(torch.bfloat16)
@@ -36,3 +42,14 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_output():
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert torch.equal(model(x), expected)
     assert pack_linears(model) == 0  # already packed: nothing left to do
+
+
+def test_pack_linears_packs_float32_on_any_host_and_bfloat16_only_where_supported():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16).to(torch.bfloat16))
+    x = torch.randn(3, 32)
+    expected = model[0](x)
+    assert pack_linears(model) == (2 if can_pack(torch.device("cpu"), torch.bfloat16) else 1)
+    assert type(model[0]) is PackedLinear
+    assert torch.allclose(model[0](x), expected, rtol=0, atol=1e-5)
+    assert (type(model[1]) is PackedLinear) == can_pack(torch.device("cpu"), torch.bfloat16)

@@ -1,9 +1,10 @@
 """Linear layers with weights reordered once into oneDNN's blocked layout (CPU).
 
-`F.linear` on CPU reorders a bfloat16 weight into oneDNN's layout on every call;
-at decode sizes that reorder is most of the matmul's time (`bench/cpu_linear.py` at
-SmolLM2's shapes, 2 threads: 53 vs 147 us for a [1, 576] x [576, 3072] product,
-1.8 vs 4.7 ms for the [576, 49152] head in bf16, 5.0 vs 10.4 ms in float32). `pack_linears` swaps each `nn.Linear` of a model for a
+`F.linear` on CPU reorders a weight into oneDNN's layout on every call (or, in float32, takes
+a slower BLAS path); at decode sizes that is most of the matmul's time (`bench/cpu_linear.py` at
+SmolLM2's shapes, 2 threads: 53 vs 147 us for a [1, 576] x [576, 3072] product in bf16,
+1.8 vs 4.7 ms for the [576, 49152] head in bf16, 1.8 vs 6.7 ms in float32). Float32 weights pack on
+any x86 host; bfloat16 ones only where oneDNN's bf16 reorder runs (`can_pack`; elsewhere it raises). `pack_linears` swaps each `nn.Linear` of a model for a
 `PackedLinear` that holds the reordered weight and calls the same oneDNN kernel:
 bfloat16 results are bitwise those of `F.linear`, float32 ones equal within
 rounding (~1e-6). The ops are private (`torch.ops.mkldnn`, what inductor uses for
@@ -13,6 +14,8 @@ frozen CPU graphs): where they are missing or refuse a weight, the layer stays a
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from replicas import cpu_isa
 
 
 class PackedLinear(nn.Module):
@@ -35,16 +38,20 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed {self.weight.dtype}"
 
 
-def can_pack(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                                                      "_reorder_linear_weight")
+def can_pack(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN packing on this CPU for weights of `dtype`: float32 on any x86 host; bfloat16 only where
+    oneDNN's bf16 reorder runs (AVX512 BW/VL/DQ or AVX-NE-CONVERT: replicas/cpu_isa.py), else it raises."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available() or \
+            not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    return dtype != torch.bfloat16 or cpu_isa.bf16_weights_supported()
 
 
 def pack_linears(model: nn.Module) -> int:
     """Replaces every nn.Linear in `model` (a CPU model) with a PackedLinear that gives the same
     output on a probe batch; returns how many were replaced."""
     targets = [(name, module) for name, module in model.named_modules() if type(module) is not PackedLinear
-               and isinstance(module, nn.Linear)]
+               and isinstance(module, nn.Linear) and can_pack(module.weight.device, module.weight.dtype)]
     packed = 0
     for name, linear in targets:
         try:

@@ -138,3 +138,42 @@ def naive_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale  # [H, L]
         out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
+
+
+def naive_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                           scale: float, sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """The spec of the native CPU kernel (cpu_attention.cpp): one step's varlen batch straight from the block
+    tables. A plain loop over sequences, float32 math, an explicit mask.
+
+    Sequence s owns query rows query_start_loc[s]:query_start_loc[s + 1] (q_len of them) and has seq_lens[s]
+    keys after this step (this step's already stored). Its query i sits at position seq_lens[s] - q_len + i and
+    sees key j where j <= position and, when sliding_window > 0, position - j < sliding_window (transformers'
+    convention). softcap > 0: scores = softcap * tanh(scores / softcap) after scaling (Gemma 2).
+    q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; query_start_loc: [S + 1] int32;
+    seq_lens: [S] int32; block_table: [S, max_blocks] int32 -> out: [T, H, D] in q's dtype (rows of no
+    sequence left as they come from torch.empty_like)"""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for s, num_keys in enumerate(seq_lens.tolist()):
+        first, last = starts[s], starts[s + 1]
+        if first == last:
+            continue
+        keys = torch.arange(num_keys, device=q.device)  # [L]
+        slots = block_table[s, keys // block_size].long() * block_size + keys % block_size
+        k = k_flat[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v_flat[slots].float().repeat_interleave(group, dim=1)
+        positions = torch.arange(num_keys - (last - first), num_keys, device=q.device)  # [Q]
+        scores = torch.einsum("qhd,khd->hqk", q[first:last].float(), k) * scale  # [H, Q, L]
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        visible = keys[None, :] <= positions[:, None]  # [Q, L]
+        if sliding_window > 0:
+            visible &= positions[:, None] - keys[None, :] < sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[first:last] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out

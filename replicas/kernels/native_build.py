@@ -1,0 +1,93 @@
+"""The one build helper of Tether's native CPU ops: C++ sources -> a Python module, through
+torch.utils.cpp_extension, once per host.
+
+    load_native(name, sources) -> module | None
+
+A build lands in <cache_dir>/native/<name>-<ISA level>-torch<version>-<digest>, where the digest (12 hex of
+SHA-1) covers the sources' bytes and the compiler flags, so an edited source, another ISA cap
+(TETHER_CPU_ISA, replicas/cpu_isa.py) or another torch builds afresh and never loads a stale module. A
+file lock serialises processes that start at once on one host; the first builds (tens of seconds, logged
+once with its time), the others wait and load. Nothing builds at import time: only load_native does.
+
+None (and one warning with the reason) where the op cannot be had: TETHER_NATIVE=0, a baseline ISA (the
+flags need AVX2 + FMA), no C++ compiler or ninja, or a failed build. Callers then keep their PyTorch path.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from types import ModuleType
+
+from replicas.cpu_isa import compiler_flags, cpu_isa
+from replicas.models.prepare import default_cache_dir
+
+logger = logging.getLogger("tether")
+
+
+def load_native(name: str, sources: list[Path], is_python_module: bool = True) -> ModuleType | str | None:
+    """The built module `name` of `sources` (C++ with a PYBIND11_MODULE), or None (see module doc).
+    is_python_module=False: sources that register torch ops (TORCH_LIBRARY) -> the library's path."""
+    return _load_native(name, tuple(Path(source).resolve() for source in sources), is_python_module)
+
+
+@functools.cache  # per process: one build check, one warning
+def _load_native(name: str, sources: tuple[Path, ...], is_python_module: bool) -> ModuleType | str | None:
+    reason = _unavailable_reason()
+    if reason:
+        (logger.info if reason.startswith("TETHER_NATIVE") else logger.warning)(
+            "native op %s not used: %s; keeping the PyTorch path", name, reason)
+        return None
+    import torch
+    from filelock import FileLock
+    from torch.utils import cpp_extension
+
+    # -fopenmp: at::parallel_for is inline OpenMP (ATen/ParallelOpenMP.h); without it every op runs on one thread.
+    # The GOMP symbols resolve to torch's own libgomp, through libtorch_cpu, so the ops share torch's thread pool.
+    flags = ["-O3", "-fopenmp", *compiler_flags()]
+    digest = hashlib.sha1()
+    for source in sources:
+        digest.update(source.read_bytes())
+        for header in sorted(source.parent.glob("*.h")):  # headers beside a source are part of it
+            digest.update(header.read_bytes())
+    digest.update(" ".join(flags).encode())
+    tag = f"{name}-{cpu_isa()}-torch{torch.__version__}-{digest.hexdigest()[:12]}"
+    build_dir = default_cache_dir() / "native" / tag
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with FileLock(build_dir / "tether-build.lock"):
+            builds = not (build_dir / f"{name}.so").exists()  # else ninja finds it up to date and only loads it
+            start = time.perf_counter()
+            if builds:
+                logger.info("building native op %s for ISA %s (once per host, into %s)", name, cpu_isa(), build_dir)
+            module = cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=flags,
+                                        build_directory=str(build_dir), verbose=False,
+                                        is_python_module=is_python_module)
+            if not is_python_module:
+                module = str(build_dir / f"{name}.so")
+            if builds:
+                logger.info("built native op %s in %.1f s", name, time.perf_counter() - start)
+        return module
+    except Exception as e:  # compiler error, missing headers, unwritable cache: keep the PyTorch path
+        detail = str(e).strip()
+        logger.warning("native op %s not used: its build failed (%s): %s; keeping the PyTorch path", name,
+                       build_dir, detail[-2000:])
+        return None
+
+
+def _unavailable_reason() -> str | None:
+    if os.environ.get("TETHER_NATIVE", "").strip() == "0":
+        return "TETHER_NATIVE=0"
+    if cpu_isa() == "baseline":
+        return "the CPU ISA level is baseline (the native build needs AVX2 + FMA)"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "no ninja (pip install ninja)"
+    return None

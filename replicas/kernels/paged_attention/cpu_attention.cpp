@@ -1,0 +1,593 @@
+// Paged attention on CPU over one step's varlen batch (decode rows and prefill chunks of many sequences in
+// one call). Built by replicas/kernels/native_build.py; launched by cpu_native.py; its spec is
+// naive_varlen_attention in naive.py. All math in float32 (bf16 loads widened, the output rounded once), on
+// GCC vector types of the ISA's width: 16 floats (zmm) under the avx512 flags, 8 (ymm) under avx2. (g++'s own
+// vectoriser turned the register-blocked loops below into permutes on ymm: 8 GFLOP/s, against ~130 from these;
+// 16-float vectors under avx2 alone were as slow.)
+//
+// A work item is (sequence, KV head, up to kMaxRows rows, key range), a row being (query position, query head
+// of that KV head): every K/V tile is read once for the whole head group, and keys no row of the item can see
+// are never read (its key range is the union of its rows' causal windows). Flash-style online softmax per
+// tile of kKeyTile keys. Two layouts:
+//   small items (<= 8 rows: decode, one query times its head group) put keys on the vector lanes:
+//     q.k as d-chunk FMAs, a vector of keys' partial sums reduced by one transpose-add tree; K, V read in place
+//   larger items (prefill chunks) put rows on the lanes, K and V widened into a float tile first:
+//     scores[j][m] = sum_d keys[j][d] * q_t[d][m]   (broadcast-FMA; softmax and mask vectorised over rows)
+//     acc[m][:] = alpha[m] * acc[m][:] + sum_j p[j][m] * values[j][:]
+// Threads pull items, most expensive first, from an atomic counter. With fewer items than 2x threads (decode
+// of one or two long sequences), long key ranges are split into partitions; each leaves (max, sum, acc) per
+// row, and the thread that finishes a split's last partition merges them.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: a third of the compile time
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+#ifdef __AVX512F__
+constexpr int kLanes = 16;  // floats per vector
+#else
+constexpr int kLanes = 8;
+#endif
+constexpr int kMaxRows = 64;           // rows per work item
+constexpr int kMaxSmallRows = 8;       // items up to this many rows take the keys-on-lanes path
+constexpr int kKeyTile = 32;           // keys per online-softmax step
+constexpr int kMaxHeadDim = 256;
+constexpr int kMinPartitionKeys = 128;  // a split key range keeps at least this many keys per partition
+constexpr int kKeyBlock = 8;  // larger items' QK: keys whose score vectors stay in registers together
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+using vfloat = float __attribute__((vector_size(kLanes * sizeof(float))));
+using vint = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+using vu16 = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+inline vfloat splat(float x) { return vfloat{} + x; }
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+inline vint lane_index() {  // {0, 1, ..., kLanes - 1}
+  vint v = {};
+  for (int i = 0; i < kLanes; ++i) v[i] = i;
+  return v;
+}
+
+inline vfloat load_vec(const float* p) { return load(p); }
+inline vfloat load_vec(const at::BFloat16* p) {  // kLanes bf16 -> float: the bits, 16 places up
+  vu16 h;
+  std::memcpy(&h, p, sizeof h);
+  return (vfloat)(__builtin_convertvector(h, vint) << 16);
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  const uint32_t bits = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// e^x for x <= 0 (Cephes expf: Cody-Waite reduction, degree-5 polynomial, ~1 ulp); 0 below -87, so e^-inf = 0.
+inline vfloat exp_nonpositive(vfloat x) {
+  const vfloat xc = vmax(x, splat(-87.f));
+  const vfloat n = (xc * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2)
+  const vfloat r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  vfloat p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vfloat y = p * r * r + r + 1.f;
+  const vint two_n = (__builtin_convertvector(n, vint) + 127) << 23;  // 2^n
+  return x < splat(-87.f) ? vfloat{} : y * (vfloat)two_n;
+}
+
+// Lane j of the result: the sum of the lanes of parts[j] ([kLanes][kLanes] floats). log2(kLanes) levels of
+// two-vector shuffles and adds (45 operations for 16 lanes) in place of kLanes horizontal sums. Entering the
+// level of half-width h, each vector holds 2h partial sums per row of kLanes / 2h rows; each output vector
+// takes the low halves of those chunks from a pair of vectors, adds the high halves, and so holds h partial
+// sums per row of twice as many rows, in row order.
+inline vfloat reduce_lanes(const float* parts) {
+  vfloat v[kLanes];
+  for (int i = 0; i < kLanes; ++i) v[i] = load(parts + i * kLanes);
+  for (int h = kLanes / 2, count = kLanes / 2; h >= 1; h /= 2, count /= 2) {
+    const vint lo = lane_index() / h * (2 * h) + lane_index() % h, hi = lo + h;
+    for (int i = 0; i < count; ++i)
+      v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi);
+  }
+  return v[0];
+}
+
+// tanh (Cephes tanhf): an odd polynomial below |x| = 0.625, 1 - 2 / (e^2|x| + 1) above, signed.
+inline vfloat tanh_approx(vfloat x) {
+  const vint sign = (vint)x & int32_t(0x80000000u);
+  const vfloat a = (vfloat)((vint)x ^ sign), z = x * x;
+  const vfloat e = exp_nonpositive(-2.f * a);
+  vfloat p = splat(-5.70498872745e-3f);
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const vfloat t = a < splat(0.625f) ? a + a * z * p : (1.f - e) / (1.f + e);
+  return (vfloat)((vint)t | sign);
+}
+
+template <typename T>
+struct Problem {
+  const T* q;        // [T, H, D]
+  T* out;            // [T, H, D]
+  const T* k_cache;  // [num_blocks, block_size, Hkv, D]
+  const T* v_cache;
+  const int32_t* query_start_loc;  // [S + 1]
+  const int32_t* seq_lens;         // [S]
+  const int32_t* block_table;      // [S, max_blocks]
+  int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
+  float scale, softcap;
+  int64_t window;
+};
+
+struct WorkItem {
+  int32_t seq, kv_head;
+  int32_t row_begin, row_end;  // rows (query index * group + head in group) of the sequence
+  int32_t key_begin, key_end;  // the keys this item reads
+  int32_t partial;             // its slot in the partial buffer; -1: it covers all its rows' keys, writes out
+  int32_t split;               // the split it is a partition of, -1: none
+  int64_t cost;
+};
+
+struct Split {
+  int32_t first_item, parts;
+};
+
+// Where row m of the item lives in q and out ([T, H, D]), and its position in the sequence.
+template <typename T>
+struct ItemRows {
+  int64_t q_begin, first_pos;  // the sequence's first query row in T, and that query's position
+  ItemRows(const Problem<T>& pb, const WorkItem& w)
+      : q_begin(pb.query_start_loc[w.seq]),
+        first_pos(pb.seq_lens[w.seq] - (pb.query_start_loc[w.seq + 1] - pb.query_start_loc[w.seq])) {}
+  int64_t offset(const Problem<T>& pb, const WorkItem& w, int m) const {
+    const int row = w.row_begin + m;
+    return ((q_begin + row / pb.group) * pb.num_heads + w.kv_head * pb.group + row % pb.group) * pb.head_dim;
+  }
+  int32_t position(const Problem<T>& pb, const WorkItem& w, int m) const {
+    return int32_t(first_pos + (w.row_begin + m) / pb.group);
+  }
+};
+
+// Pointers to the K and V rows of keys j0 .. j0 + n - 1 of the item's sequence and KV head (its block table).
+template <typename T>
+void kv_rows(const Problem<T>& pb, const WorkItem& w, int j0, int n, const T** k_rows, const T** v_rows) {
+  const int32_t* blocks = pb.block_table + w.seq * pb.max_blocks;
+  int64_t block = j0 / pb.block_size, offset = j0 % pb.block_size;
+  for (int j = 0; j < n; ++j) {
+    const int64_t at = ((int64_t(blocks[block]) * pb.block_size + offset) * pb.num_kv_heads + w.kv_head) * pb.head_dim;
+    k_rows[j] = pb.k_cache + at;
+    v_rows[j] = pb.v_cache + at;
+    if (++offset == pb.block_size) offset = 0, ++block;
+  }
+}
+
+// The item's result: normalised rows into out, or, for a partition, [rows][2 + D] (max, sum, acc) into partial.
+template <typename T>
+void finish_rows(const Problem<T>& pb, const WorkItem& w, const float* acc, int acc_stride, const float* row_max,
+                 const float* row_sum, float* partial) {
+  const int D = int(pb.head_dim);
+  const ItemRows<T> at(pb, w);
+  for (int m = 0; m < w.row_end - w.row_begin; ++m) {
+    if (partial != nullptr) {
+      float* dst = partial + m * (2 + D);
+      dst[0] = row_max[m];
+      dst[1] = row_sum[m];
+      std::memcpy(dst + 2, acc + m * acc_stride, D * sizeof(float));
+      continue;
+    }
+    T* dst = pb.out + at.offset(pb, w, m);
+    const float inv_sum = 1.f / row_sum[m];
+    for (int d = 0; d < D; ++d) dst[d] = T(acc[m * acc_stride + d] * inv_sum);
+  }
+}
+
+// ---- small items (<= kMaxSmallRows rows): keys on the lanes, R rows (padding rows see no key)
+
+template <typename T, int R>
+void run_small_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
+  const int D = int(pb.head_dim), rows = w.row_end - w.row_begin;
+  const int64_t window = pb.window;
+  float q[R][kMaxHeadDim], acc[R][kMaxHeadDim];  // scaled queries; unnormalised output
+  float parts[R][kLanes * kLanes];              // per row, per key of a group of kLanes: partial dot products
+  float probs[R][kKeyTile];                     // scores, then probabilities
+  float row_max[R], row_sum[R], alpha[R];
+  int32_t pos[R];
+  const T* k_rows[kKeyTile];
+  const T* v_rows[kKeyTile];
+  const ItemRows<T> at(pb, w);
+  for (int r = 0; r < R; ++r) {
+    const T* src = r < rows ? pb.q + at.offset(pb, w, r) : nullptr;
+    for (int d = 0; d < D; ++d) q[r][d] = src ? to_float(src[d]) * pb.scale : 0.f;
+    std::fill(acc[r], acc[r] + D, 0.f);
+    pos[r] = r < rows ? at.position(pb, w, r) : -1;
+    row_max[r] = kNegInf;
+    row_sum[r] = 0.f;
+  }
+
+  for (int j0 = w.key_begin; j0 < w.key_end; j0 += kKeyTile) {
+    const int n = std::min(kKeyTile, w.key_end - j0);
+    kv_rows(pb, w, j0, n, k_rows, v_rows);
+    for (int g = 0; g < n; g += kLanes) {  // scores of kLanes keys at a time, masked (keys past n too)
+      const int count = std::min(kLanes, n - g);
+      for (int j = 0; j < kLanes; ++j) {
+        vfloat dot[R] = {};
+        if (j < count) {
+          for (int d = 0; d < D; d += kLanes) {
+            const vfloat k = load_vec(k_rows[g + j] + d);
+            for (int r = 0; r < R; ++r) dot[r] += k * load(q[r] + d);
+          }
+        }
+        for (int r = 0; r < R; ++r) store(parts[r] + j * kLanes, dot[r]);
+      }
+      const vint key = lane_index() + (j0 + g);
+      for (int r = 0; r < R; ++r) {
+        vfloat s = reduce_lanes(parts[r]);
+        if (pb.softcap > 0.f) s = pb.softcap * tanh_approx(s * (1.f / pb.softcap));
+        vint visible = (lane_index() < count) & (key <= pos[r]);
+        if (window > 0) visible &= pos[r] - key < int32_t(window);
+        store(probs[r] + g, visible ? s : splat(kNegInf));
+      }
+    }
+    const int n_lanes = (n + kLanes - 1) / kLanes * kLanes;
+    for (int r = 0; r < R; ++r) {  // online softmax
+      float tile_max = kNegInf, tile_sum = 0.f;
+      for (int j = 0; j < n; ++j) tile_max = std::max(tile_max, probs[r][j]);
+      const float new_max = std::max(row_max[r], tile_max);
+      const float shift = new_max == kNegInf ? 0.f : new_max;  // a row that saw no key yet keeps p = 0
+      for (int j = 0; j < n_lanes; j += kLanes) {
+        const vfloat p = exp_nonpositive(load(probs[r] + j) - shift);
+        store(probs[r] + j, p);
+      }
+      for (int j = 0; j < n; ++j) tile_sum += probs[r][j];
+      alpha[r] = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - shift);
+      row_sum[r] = row_sum[r] * alpha[r] + tile_sum;
+      row_max[r] = new_max;
+    }
+    for (int d = 0; d < D; d += kLanes) {  // acc = alpha * acc + p . V
+      vfloat a[R];
+      for (int r = 0; r < R; ++r) a[r] = load(acc[r] + d) * alpha[r];
+      for (int j = 0; j < n; ++j) {
+        const vfloat v = load_vec(v_rows[j] + d);
+        for (int r = 0; r < R; ++r) a[r] += probs[r][j] * v;
+      }
+      for (int r = 0; r < R; ++r) store(acc[r] + d, a[r]);
+    }
+  }
+  finish_rows(pb, w, &acc[0][0], kMaxHeadDim, row_max, row_sum, partial);
+}
+
+// ---- larger items: rows on the lanes, K and V widened into float tiles
+
+// Per-thread buffers, fixed size: nothing is allocated per item or per key tile.
+struct Scratch {
+  float q_t[kMaxHeadDim * kMaxRows];     // [D][rows_pad]: the item's queries, scaled, transposed
+  float keys[kKeyTile * kMaxHeadDim];    // [n][D] as float
+  float values[kKeyTile * kMaxHeadDim];  // [n][D]
+  float scores[kKeyTile * kMaxRows];     // [n][rows_pad]: scores, then probabilities
+  float acc[kMaxRows * kMaxHeadDim];     // [rows_pad][D]: unnormalised output
+  float row_max[kMaxRows], row_sum[kMaxRows], alpha[kMaxRows];  // running max and sum, this tile's rescale
+  int32_t pos[kMaxRows];  // each row's position in its sequence
+};
+
+thread_local Scratch scratch;
+
+// scores[j][m] = sum_d keys[j][d] * q_t[d][m] for j < n_pad (a multiple of kKeyBlock), m < rows_pad.
+inline void tile_scores(const float* q_t, const float* keys, float* scores, int n_pad, int rows_pad, int D) {
+  for (int c = 0; c < rows_pad; c += kLanes) {
+    for (int j0 = 0; j0 < n_pad; j0 += kKeyBlock) {
+      vfloat acc[kKeyBlock] = {};
+      const float* k = keys + j0 * D;
+      for (int d = 0; d < D; ++d) {
+        const vfloat qv = load(q_t + d * rows_pad + c);
+        for (int r = 0; r < kKeyBlock; ++r) acc[r] += k[r * D + d] * qv;
+      }
+      for (int r = 0; r < kKeyBlock; ++r) store(scores + (j0 + r) * rows_pad + c, acc[r]);
+    }
+  }
+}
+
+// acc[m][:] = alpha[m] * acc[m][:] + sum_{j < n} probs[j][m] * values[j][:] for m < rows_pad, 8 rows at a time.
+inline void tile_accumulate(const float* probs, const float* values, const float* alpha, float* acc, int n,
+                            int rows_pad, int D) {
+  constexpr int kRows = 8;
+  for (int m0 = 0; m0 < rows_pad; m0 += kRows) {
+    for (int d0 = 0; d0 < D; d0 += kLanes) {
+      vfloat a[kRows];
+      for (int r = 0; r < kRows; ++r) a[r] = load(acc + (m0 + r) * D + d0) * alpha[m0 + r];
+      for (int j = 0; j < n; ++j) {
+        const vfloat v = load(values + j * D + d0);
+        const float* p = probs + j * rows_pad + m0;
+        for (int r = 0; r < kRows; ++r) a[r] += p[r] * v;
+      }
+      for (int r = 0; r < kRows; ++r) store(acc + (m0 + r) * D + d0, a[r]);
+    }
+  }
+}
+
+template <typename T>
+void run_tile_item(const Problem<T>& pb, const WorkItem& w, Scratch& sc, float* partial) {
+  const int D = int(pb.head_dim), rows = w.row_end - w.row_begin;
+  const int rows_pad = (rows + kLanes - 1) / kLanes * kLanes;  // score tile width
+  const int64_t window = pb.window;
+  const ItemRows<T> at(pb, w);
+  for (int m = 0; m < rows_pad; ++m) {
+    const T* src = m < rows ? pb.q + at.offset(pb, w, m) : nullptr;
+    for (int d = 0; d < D; ++d) sc.q_t[d * rows_pad + m] = src ? to_float(src[d]) * pb.scale : 0.f;
+    sc.pos[m] = m < rows ? at.position(pb, w, m) : -1;  // padding rows see no key where a mask applies
+    sc.row_max[m] = kNegInf;
+    sc.row_sum[m] = 0.f;
+  }
+  std::fill(sc.acc, sc.acc + rows_pad * D, 0.f);
+  const int pos_min = at.position(pb, w, 0), pos_max = at.position(pb, w, rows - 1);
+  const T* k_rows[kKeyTile];
+  const T* v_rows[kKeyTile];
+
+  for (int j0 = w.key_begin; j0 < w.key_end; j0 += kKeyTile) {
+    const int n = std::min(kKeyTile, w.key_end - j0);
+    const int n_pad = (n + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+    kv_rows(pb, w, j0, n, k_rows, v_rows);
+    for (int j = 0; j < n; ++j) {
+      for (int d = 0; d < D; ++d) sc.keys[j * D + d] = to_float(k_rows[j][d]);
+      for (int d = 0; d < D; ++d) sc.values[j * D + d] = to_float(v_rows[j][d]);
+    }
+    std::fill(sc.keys + n * D, sc.keys + n_pad * D, 0.f);
+    tile_scores(sc.q_t, sc.keys, sc.scores, n_pad, rows_pad, D);
+
+    if (pb.softcap > 0.f) {
+      const float cap = pb.softcap, inv_cap = 1.f / pb.softcap;
+      for (int i = 0; i < n * rows_pad; i += kLanes)
+        store(sc.scores + i, cap * tanh_approx(load(sc.scores + i) * inv_cap));
+    }
+    const bool all_visible = j0 + n - 1 <= pos_min && (window <= 0 || pos_max - j0 < window);
+    for (int c = 0; c < rows_pad; c += kLanes) {  // mask, then the online softmax, kLanes rows at a time
+      vint pos;
+      std::memcpy(&pos, sc.pos + c, sizeof pos);
+      vfloat tile_max = splat(kNegInf);
+      for (int j = 0; j < n; ++j) {
+        float* s = sc.scores + j * rows_pad + c;
+        if (!all_visible) {
+          const vint key = vint{} + (j0 + j);
+          vint visible = key <= pos;
+          if (window > 0) visible &= pos - key < int32_t(window);
+          store(s, visible ? load(s) : splat(kNegInf));
+        }
+        tile_max = vmax(tile_max, load(s));
+      }
+      const vfloat old_max = load(sc.row_max + c), new_max = vmax(old_max, tile_max);
+      const vfloat shift = new_max == splat(kNegInf) ? vfloat{} : new_max;  // rows that saw no key keep p = 0
+      const vfloat alpha = exp_nonpositive(old_max - shift);
+      vfloat tile_sum = {};
+      for (int j = 0; j < n; ++j) {
+        const vfloat p = exp_nonpositive(load(sc.scores + j * rows_pad + c) - shift);
+        store(sc.scores + j * rows_pad + c, p);
+        tile_sum += p;
+      }
+      store(sc.row_max + c, new_max);
+      store(sc.alpha + c, alpha);
+      store(sc.row_sum + c, load(sc.row_sum + c) * alpha + tile_sum);
+    }
+    tile_accumulate(sc.scores, sc.values, sc.alpha, sc.acc, n, rows_pad, D);
+  }
+  finish_rows(pb, w, sc.acc, D, sc.row_max, sc.row_sum, partial);
+}
+
+template <typename T>
+void run_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
+  switch (w.row_end - w.row_begin) {
+    case 1: return run_small_item<T, 1>(pb, w, partial);
+    case 2: return run_small_item<T, 2>(pb, w, partial);
+    case 3: return run_small_item<T, 3>(pb, w, partial);
+    case 4: return run_small_item<T, 4>(pb, w, partial);
+    case 5: case 6: case 7: case 8: return run_small_item<T, kMaxSmallRows>(pb, w, partial);
+    default: return run_tile_item(pb, w, scratch, partial);
+  }
+}
+
+// The partitions of one split item -> its output rows.
+template <typename T>
+void merge_partials(const Problem<T>& pb, const WorkItem& w, const float* partials, int parts) {
+  const int D = int(pb.head_dim);
+  const int64_t part_stride = int64_t(kMaxRows) * (2 + D);
+  const ItemRows<T> at(pb, w);
+  float acc[kMaxHeadDim];
+  for (int m = 0; m < w.row_end - w.row_begin; ++m) {
+    float max = kNegInf, sum = 0.f;
+    for (int p = 0; p < parts; ++p) max = std::max(max, partials[p * part_stride + m * (2 + D)]);
+    std::fill(acc, acc + D, 0.f);
+    for (int p = 0; p < parts; ++p) {
+      const float* part = partials + p * part_stride + m * (2 + D);
+      const float weight = part[0] == kNegInf ? 0.f : std::exp(part[0] - max);
+      sum += weight * part[1];
+      for (int d = 0; d < D; ++d) acc[d] += weight * part[2 + d];
+    }
+    T* dst = pb.out + at.offset(pb, w, m);
+    for (int d = 0; d < D; ++d) dst[d] = T(acc[d] / sum);
+  }
+}
+
+// Items: (sequence, KV head, tile of rows, the keys its rows see); long key ranges split when items are few.
+std::vector<WorkItem> plan(const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs,
+                           int64_t num_kv_heads, int64_t group, int64_t window, int64_t max_keys, int threads,
+                           std::vector<Split>& splits, int& num_partials) {
+  std::vector<WorkItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int32_t q_len = query_start_loc[s + 1] - query_start_loc[s], seq_len = seq_lens[s];
+    TORCH_CHECK(q_len >= 0 && q_len <= seq_len && seq_len <= max_keys, "sequence ", s, ": ", q_len,
+                " queries, ", seq_len, " keys, block table of ", max_keys, " keys");
+    const int64_t rows = int64_t(q_len) * group;
+    if (rows == 0) continue;
+    const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows, tile_rows = (rows + tiles - 1) / tiles;
+    for (int64_t row_begin = 0; row_begin < rows; row_begin += tile_rows) {
+      const int64_t row_end = std::min(rows, row_begin + tile_rows);
+      const int64_t pos_min = seq_len - q_len + row_begin / group, pos_max = seq_len - q_len + (row_end - 1) / group;
+      const int64_t key_begin = window > 0 ? std::max<int64_t>(0, pos_min - window + 1) : 0;
+      const int64_t cost = (row_end - row_begin + kLanes - 1) / kLanes * (pos_max + 1 - key_begin);
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        items.push_back({int32_t(s), int32_t(h), int32_t(row_begin), int32_t(row_end), int32_t(key_begin),
+                         int32_t(pos_max + 1), -1, -1, cost});
+    }
+  }
+  num_partials = 0;
+  if (threads < 2 || items.empty() || int64_t(items.size()) >= 2 * threads) return items;
+  const int64_t want = (2 * threads + int64_t(items.size()) - 1) / int64_t(items.size());
+  std::vector<WorkItem> split_items;
+  for (const WorkItem& w : items) {
+    const int64_t keys = w.key_end - w.key_begin;
+    const int64_t parts = std::min(want, keys / kMinPartitionKeys);
+    if (parts < 2) {
+      split_items.push_back(w);
+      continue;
+    }
+    const int64_t part_keys = ((keys + parts - 1) / parts + kKeyTile - 1) / kKeyTile * kKeyTile;
+    splits.push_back({int32_t(split_items.size()), 0});
+    for (int64_t begin = w.key_begin; begin < w.key_end; begin += part_keys) {
+      WorkItem part = w;
+      part.key_begin = int32_t(begin);
+      part.key_end = int32_t(std::min<int64_t>(w.key_end, begin + part_keys));
+      part.partial = num_partials++;
+      part.split = int32_t(splits.size() - 1);
+      part.cost = w.cost * (part.key_end - part.key_begin) / keys;
+      split_items.push_back(part);
+      ++splits.back().parts;
+    }
+  }
+  return split_items;
+}
+
+template <typename T>
+void attention(const Problem<T>& pb, int64_t num_seqs) {
+  const int threads = at::get_num_threads();
+  std::vector<Split> splits;
+  int num_partials = 0;
+  const std::vector<WorkItem> items =
+      plan(pb.query_start_loc, pb.seq_lens, num_seqs, pb.num_kv_heads, pb.group, pb.window,
+           pb.max_blocks * pb.block_size, threads, splits, num_partials);
+  if (items.empty()) return;
+  // [num_partials][kMaxRows][2 + D]: uninitialised, each partition writes its rows
+  const std::unique_ptr<float[]> partials(new float[size_t(num_partials) * kMaxRows * (2 + pb.head_dim)]);
+  std::vector<int32_t> order(items.size());  // most expensive first: threads finish together
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return items[a].cost > items[b].cost; });
+  std::vector<std::atomic<int32_t>> pending(splits.size());  // partitions of each split still running
+  for (size_t i = 0; i < splits.size(); ++i) pending[i].store(splits[i].parts);
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(threads, int64_t(items.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < int64_t(items.size()); i = next.fetch_add(1)) {
+      const WorkItem& w = items[order[i]];
+      float* partial = w.partial < 0 ? nullptr : partials.get() + int64_t(w.partial) * kMaxRows * (2 + pb.head_dim);
+      run_item(pb, w, partial);
+      if (w.split >= 0 && pending[w.split].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the last one merges
+        const WorkItem& first = items[splits[w.split].first_item];
+        merge_partials(pb, first, partials.get() + int64_t(first.partial) * kMaxRows * (2 + pb.head_dim),
+                       splits[w.split].parts);
+      }
+    }
+  });
+}
+
+void check_int32(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == dim && t.is_contiguous() && t.device().is_cpu(), name,
+              " must be a contiguous int32 CPU tensor of ", dim, " dims");
+}
+
+}  // namespace
+
+// out, q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; query_start_loc: [S + 1] int32;
+// seq_lens: [S] int32 (keys after this step); block_table: [S, max_blocks] int32.
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
+                     double scale, int64_t sliding_window, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q: [T, H, D], k_cache: [num_blocks, block_size, Hkv, D]");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &q, &k_cache, &v_cache})
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == q.scalar_type(),
+                "out, q, k_cache and v_cache must be contiguous CPU tensors of one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(out.sizes() == q.sizes() && v_cache.sizes() == k_cache.sizes(), "shape mismatch");
+  check_int32(query_start_loc, "query_start_loc", 1);
+  check_int32(seq_lens, "seq_lens", 1);
+  check_int32(block_table, "block_table", 2);
+  const int64_t num_seqs = seq_lens.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && D <= kMaxHeadDim, "head_dim must match, a multiple of 16 <= 256");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_table.size(0) >= num_seqs, "batch size mismatch");
+  TORCH_CHECK(num_seqs == 0 || query_start_loc.data_ptr<int32_t>()[num_seqs] <= q.size(0), "query_start_loc past T");
+  const int64_t block_size = k_cache.size(1), max_blocks = block_table.size(1);
+  for (int64_t s = 0; s < num_seqs; ++s) {  // the blocks each sequence's keys live in exist
+    const int64_t used = std::min<int64_t>(max_blocks, (seq_lens.data_ptr<int32_t>()[s] + block_size - 1) / block_size);
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t block = block_table.data_ptr<int32_t>()[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < k_cache.size(0), "sequence ", s, ": block ", block, " out of range");
+    }
+  }
+  auto launch = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const Problem<T> pb{q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                        query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                        block_table.data_ptr<int32_t>(),
+                        H, Hkv, H / Hkv, D, block_size, max_blocks, float(scale), float(softcap),
+                        sliding_window};
+    attention(pb, num_seqs);
+  };
+  if (q.scalar_type() == at::kFloat)
+    launch(static_cast<float*>(nullptr));
+  else
+    launch(static_cast<at::BFloat16*>(nullptr));
+}
+
+// k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; slot_mapping: [T] int64, -1 = skip.
+void store_kvcache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                   const at::Tensor& slot_mapping) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &k_cache, &v_cache})
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == k_cache.scalar_type(),
+                "k, v, k_cache and v_cache must be contiguous CPU tensors of one dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous(),
+              "slot_mapping must be a contiguous int64 vector");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3) && slot_mapping.size(0) == k.size(0),
+              "k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot_mapping: [T]");
+  const int64_t num_tokens = k.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " out of range (", num_slots, " slots)");
+  const char* k_src = static_cast<const char*>(k.data_ptr());
+  const char* v_src = static_cast<const char*>(v.data_ptr());
+  char* k_dst = static_cast<char*>(k_cache.data_ptr());
+  char* v_dst = static_cast<char*>(v_cache.data_ptr());
+  at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      std::memcpy(k_dst + slots[t] * row_bytes, k_src + t * row_bytes, row_bytes);
+      std::memcpy(v_dst + slots[t] * row_bytes, v_src + t * row_bytes, row_bytes);
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "varlen paged attention (decode rows and prefill chunks)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("store_kvcache", &store_kvcache, "k, v rows -> their cache slots", py::call_guard<py::gil_scoped_release>());
+}
