@@ -1,17 +1,21 @@
 """Loads a checkpoint directory (config.json + *.safetensors) into our model classes, name for name;
 the parts of a merged projection (q/k/v, gate/up: `MergedLinear`) into their rows of the merged weight."""
 
+import logging
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from replicas.kernels.cpu_linear import can_pack, pack_linears
-from replicas.kernels.cpu_linear.int4 import can_use_int4, find_four_bit_linears, use_int4_linears
+from replicas.cpu_isa import cpu_isa
+from replicas.kernels.cpu_linear import PackedLinear, can_pack, pack_linears
+from replicas.kernels.cpu_linear.int4 import find_four_bit_linears, int4_backend, use_int4_linears
 from replicas.kernels.paged_attention import can_use_native_attention
 from replicas.models.layers import MergedLinear, RotaryEmbedding, use_native_ops
 from replicas.models.llama import LlamaForCausalLM, rope_theta
 from replicas.models.qwen3_5 import Qwen3_5ForCausalLM
+
+logger = logging.getLogger("tether")
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -27,11 +31,13 @@ def load_config(model_dir: str | Path):
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_weights: bool = False,
                int4_decode: bool = False, native: bool = False):
-    """-> (model, config). `pack_weights`: on CPU, every linear layer's weight reordered once for oneDNN
-    (bfloat16 ones where the ISA allows) (replicas/kernels/cpu_linear: the same results, faster matmuls). `int4_decode`: on CPU in
-    bfloat16, layers whose checkpoint weights are 4-bit groups also keep them as such for decode-sized
-    batches (replicas/kernels/cpu_linear/int4.py). `native`: on CPU, the fused native ops where they build
-    (replicas/kernels/fused_cpu)."""
+    """-> (model, config). On CPU, each path is chosen by what the host supports (replicas/cpu_isa.py) and
+    logged once:
+    - `pack_weights`: every linear layer's weight reordered once for oneDNN (bfloat16 ones where the ISA
+      allows; replicas/kernels/cpu_linear: the same results, faster matmuls);
+    - `int4_decode`: layers whose checkpoint weights are 4-bit groups also keep them as such for
+      decode-sized batches (replicas/kernels/cpu_linear/int4.py: the native kernel, else torch's in bf16);
+    - `native`: the native attention op and the fused norm / rotary / activation ops where they build."""
     config = load_config(model_dir)
     arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
     if arch not in ARCHITECTURES:
@@ -41,19 +47,23 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     model = model.to_empty(device=device)
     model.tie_weights()
     _load_weights(model, Path(model_dir))
-    use_int4 = int4_decode and dtype == torch.bfloat16 and can_use_int4(device)
-    four_bit = find_four_bit_linears(model) if use_int4 else {}  # before the cast rounds the weights
+    int4 = int4_backend(device, dtype, native) if int4_decode else None
+    four_bit = find_four_bit_linears(model) if int4 else {}  # before the cast rounds the weights
     model = model.to(dtype)
     _float32_head(model)
     _init_buffers(model, config, device)  # after the cast: rotary tables stay float32
     if pack_weights and can_pack(device):
         pack_linears(model)  # last: merged projections and the float32 head are final by now
-    use_int4_linears(model, four_bit)  # around the packed (or plain) bf16 layers
+    use_int4_linears(model, four_bit, native=int4 == "native")  # around the packed (or plain) layers
     # The native attention op reads the batch's block tables; the model runner builds the padded groups of
     # the PyTorch path only where this is False.
     model.native_attention = native and can_use_native_attention(device)
-    if native and device.type == "cpu":
-        use_native_ops(model)
+    num_fused = use_native_ops(model) if native and device.type == "cpu" else 0
+    if device.type == "cpu":
+        logger.info("CPU paths (ISA %s, %s): packed linears %d, int4 layers %d (%s), attention %s, fused ops %s",
+                    cpu_isa(), str(dtype).removeprefix("torch."),
+                    sum(isinstance(m, PackedLinear) for m in model.modules()), len(four_bit), int4 or "off",
+                    "native" if model.native_attention else "pytorch", "native" if num_fused else "pytorch")
     return model.eval(), config
 
 

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replicas.kernels.cpu_linear import int4
+from replicas.cpu_isa import cpu_isa
+from replicas.kernels.cpu_linear import int4, int4_native
 from replicas.kernels.cpu_linear.int4 import Int4Linear, can_use_int4, find_four_bit_linears, four_bit_groups
 
 pytestmark = pytest.mark.skipif(not can_use_int4(torch.device("cpu")), reason="this torch has no int4 CPU kernel")
@@ -47,6 +48,26 @@ def test_decode_rows_match_the_float32_weights_and_larger_batches_take_the_dense
     without_rest = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32, layer.scale_zero).float()
     assert (out.float() - exact).norm() < (without_rest - exact).norm()  # the second pass is worth its time
     big = torch.randn(int4.INT4_MAX_ROWS + 1, 128).to(torch.bfloat16)
+    assert torch.equal(layer(big), dense(big))
+
+
+@pytest.mark.skipif(int4_native.native_int4() is None, reason=f"native ops not built here (ISA {cpu_isa()})")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_int4_linear_applies_the_checkpoint_weights_in_one_pass(dtype):
+    """The native path (any activation dtype, the AVX2 host's float32 included): the exact weights in float32
+    math, up to its row limit; the dense layer above it."""
+    weight = four_bit_weight(96, 128, seed=3)
+    dense = nn.Linear(128, 96, bias=False).to(dtype)
+    with torch.no_grad():
+        dense.weight.copy_(weight)
+    layer = Int4Linear(dense, *four_bit_groups(weight), float_output=True, native=True)
+    assert layer.max_rows == int4.NATIVE_MAX_ROWS[dtype]
+    x = torch.randn(layer.max_rows, 128).to(dtype)
+    exact = x.double() @ weight.double().t()
+    out = layer(x)
+    assert out.dtype == torch.float32
+    assert (out.double() - exact).abs().max().item() <= 1e-5 * exact.abs().max().item()
+    big = torch.randn(layer.max_rows + 1, 128).to(dtype)
     assert torch.equal(layer(big), dense(big))
 
 
