@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from replicas.cpu_isa import cpu_isa
 from replicas.kernels.cpu_linear import PackedLinear, can_pack, pack_linears
+from replicas.kernels.cpu_linear.int8_native import Int8Linear
 from replicas.kernels.cpu_linear.int4 import find_four_bit_linears, int4_backend, use_int4_linears
 from replicas.kernels.paged_attention import can_use_native_attention
 from replicas.models.layers import MergedLinear, RotaryEmbedding, use_native_ops
@@ -49,20 +50,25 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     _load_weights(model, Path(model_dir))
     int4 = int4_backend(device, dtype, native) if int4_decode else None
     four_bit = find_four_bit_linears(model) if int4 else {}  # before the cast rounds the weights
+    head_weight = model.lm_head.weight.detach().clone()  # the checkpoint's, in float32: before the cast rounds it
     model = model.to(dtype)
-    _float32_head(model)
+    _float32_head(model, head_weight)
     _init_buffers(model, config, device)  # after the cast: rotary tables stay float32
     if pack_weights and can_pack(device):
         pack_linears(model)  # last: merged projections and the float32 head are final by now
+    int8_head = Int8Linear.from_weight(model.lm_head, head_weight) if native and device.type == "cpu" else None
+    if int8_head is not None:  # a Q8_0 head (the default SmolLM2's): its exact weights at a quarter of the bytes
+        model.lm_head = int8_head
     use_int4_linears(model, four_bit, native=int4 == "native")  # around the packed (or plain) layers
     # The native attention op reads the batch's block tables; the model runner builds the padded groups of
     # the PyTorch path only where this is False.
     model.native_attention = native and can_use_native_attention(device)
     num_fused = use_native_ops(model) if native and device.type == "cpu" else 0
     if device.type == "cpu":
-        logger.info("CPU paths (ISA %s, %s): packed linears %d, int4 layers %d (%s), attention %s, fused ops %s",
-                    cpu_isa(), str(dtype).removeprefix("torch."),
+        logger.info("CPU paths (ISA %s, %s): packed linears %d, int4 layers %d (%s), head %s, attention %s, "
+                    "fused ops %s", cpu_isa(), str(dtype).removeprefix("torch."),
                     sum(isinstance(m, PackedLinear) for m in model.modules()), len(four_bit), int4 or "off",
+                    "int8 (native)" if int8_head is not None else "float32",
                     "native" if model.native_attention else "pytorch", "native" if num_fused else "pytorch")
     return model.eval(), config
 
@@ -116,9 +122,10 @@ def _shard_targets(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter
     return targets
 
 
-def _float32_head(model: torch.nn.Module) -> None:
-    """Keeps the LM head in float32 (an untied copy) when the body is narrower: logits of 10-30 rounded
-    to bfloat16 move by up to 0.125, enough to swap close tokens. It costs the head's size again in
+def _float32_head(model: torch.nn.Module, weight: torch.Tensor) -> None:
+    """Keeps the LM head in float32 (an untied copy of the checkpoint's `weight`, not of its bf16 rounding)
+    when the body is narrower: logits of 10-30 rounded to bfloat16 move by up to 0.125, enough to swap
+    close tokens. It costs the head's size again in
     memory and ~3 ms per decode step over a bf16 head on 2 cores (bench/cpu_linear.py; docs/benchmarks.md
     has a cheaper variant that was tried and not kept)."""
     head = model.lm_head
@@ -127,7 +134,7 @@ def _float32_head(model: torch.nn.Module) -> None:
     fresh = torch.nn.Linear(head.in_features, head.out_features, bias=head.bias is not None,
                             device=head.weight.device, dtype=torch.float32)
     with torch.no_grad():
-        fresh.weight.copy_(head.weight)
+        fresh.weight.copy_(weight)
         if head.bias is not None:
             fresh.bias.copy_(head.bias)
     model.lm_head = fresh

@@ -90,6 +90,8 @@ def decode_logprobs(engine: Engine, prompts: list[list[int]], max_tokens: int) -
 
 
 CPU = torch.device("cpu")
+# A greedy choice bf16 may flip: fp32's own top two within this logprob (bf16's noise: mean 0.011, p90 0.025).
+NEAR_TIE = 0.05
 
 
 @pytest.mark.slow
@@ -97,7 +99,8 @@ CPU = torch.device("cpu")
                     f"(AVX512-BF16 or AMX); this host's ISA is {cpu_isa()}: the fallback test below runs instead")
 def test_smollm2_bfloat16_stays_close_to_float32(smollm2_dir):
     """The fast precision keeps the answers: bf16 greedy equals fp32 greedy over 16 tokens on at least
-    4 of 5 prompts, and bf16's logprobs of the tokens fp32 chose stay close to fp32's: scored at prefill
+    3 of 5 prompts, and where it does not, the token bf16 chose was a near-tie for fp32 itself (fp32's
+    logprobs of the two within NEAR_TIE: the divergences seen are 0.025 and 0.002 apart); bf16's logprobs of the tokens fp32 chose stay close to fp32's: scored at prefill
     (prompt + fp32's tokens at once) and as each engine decodes alone (one-row steps: the int4 kernel's
     path on this Q4_1 checkpoint, up to a divergence).
 
@@ -113,8 +116,15 @@ def test_smollm2_bfloat16_stays_close_to_float32(smollm2_dir):
     greedy = {dtype: run_all(engine, [GenerateRequest(f"p{i}", ids, SamplingParams(temperature=0.0, max_tokens=16))
                                       for i, ids in enumerate(prompts)])
               for dtype, engine in engines.items()}  # batched: five decode rows a step
+    for i, ids in enumerate(prompts):  # where bf16 chose otherwise, fp32 itself nearly chose that token too
+        ours, theirs = greedy["bfloat16"][f"p{i}"], greedy["float32"][f"p{i}"]
+        if ours != theirs:
+            j = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+            fp32_logprobs = torch.log_softmax(our_logits(engines["float32"], ids + theirs[:j])[-1].float(), -1)
+            margin = (fp32_logprobs[theirs[j]] - fp32_logprobs[ours[j]]).item()
+            assert margin <= NEAR_TIE, f"p{i} token {j}: bf16 chose a token fp32 put {margin:.3f} below its own"
     same = sum(greedy["bfloat16"][f"p{i}"] == greedy["float32"][f"p{i}"] for i in range(len(prompts)))
-    assert same >= 4, f"bf16 greedy equals fp32 on {same} of 5 prompts"
+    assert same >= 3, f"bf16 greedy equals fp32 on {same} of 5 prompts"
     decoded = {dtype: decode_logprobs(engine, prompts, 16) for dtype, engine in engines.items()}
     prefill_gaps, decode_gaps = [], []
     for i, ids in enumerate(prompts):

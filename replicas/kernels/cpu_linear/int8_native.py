@@ -112,8 +112,8 @@ class Int8Linear(nn.Module):
         self.dense = dense
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.group_size = self.in_features // scale.shape[1]
-        self.native = native_int8()
-        self.max_rows = max_rows if self.native is not None else 0
+        self.ops = native_int8()  # not `native`: the loader sets that attribute on the fused-op layers
+        self.max_rows = max_rows if self.ops is not None else 0
         self.register_buffer("q", q.to(torch.int8).contiguous(), persistent=False)
         self.register_buffer("scale", scale.float().contiguous(), persistent=False)
 
@@ -126,6 +126,11 @@ class Int8Linear(nn.Module):
         groups = eight_bit_groups(weight)
         return None if groups is None else cls(dense, *groups, max_rows=max_rows)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense layer's weight (its dtype is what callers cast their input to)."""
+        return self.dense.weight
+
     def int8_buffers(self) -> list[torch.Tensor]:
         """What one native call reads: the 8-bit weights and their group scales."""
         return [self.q, self.scale]
@@ -135,7 +140,7 @@ class Int8Linear(nn.Module):
         if x.dim() != 2 or x.shape[0] > self.max_rows:
             return self.dense(x)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        return self.native.int8_linear(x, self.q, self.scale, self.group_size, out)
+        return self.ops.int8_linear(x, self.q, self.scale, self.group_size, out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 groups of " \
