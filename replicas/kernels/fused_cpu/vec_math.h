@@ -32,8 +32,10 @@ template <> inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
 
 // exp(x): x = n ln2 + r, |r| <= ln2 / 2; exp(r) by a degree-6 polynomial; 2^n through the exponent bits.
 inline float fast_exp(float x) {
-  x = std::fmin(std::fmax(x, -87.3f), 88.7f);
-  float n = std::nearbyint(x * 1.44269504088896341f);
+  x = x < -87.3f ? -87.3f : x;  // ternaries, not fmin / nearbyint: g++ vectorizes these into min / max / add
+  x = x > 88.7f ? 88.7f : x;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  float n = (x * 1.44269504088896341f + kRound) - kRound;
   float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
   float p = 1.3888949e-3f;
   p = p * r + 8.3333510e-3f;
