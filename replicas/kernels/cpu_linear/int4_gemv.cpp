@@ -36,26 +36,20 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
+
+using namespace simd;
 
 constexpr int64_t kBlock = 32;     // weights per packed block of a row (16 bytes)
 constexpr int64_t kQuad = 4;       // weight rows interleaved by the packed layout: 4 x 16 bytes, a cache line
 constexpr int64_t kMaxRows = 8;    // rows of x per kernel pass; more rows run in passes of 8
 
-// ---- the ISA-specific part: a vector of VL floats, and Dequant, which turns one weight row's packed
+// ---- the ISA-specific part (the vector layer is simd.h): Dequant, which turns one weight row's packed
 // bytes of a group into weights: Dequant(scale, offset)(bytes + j, lo, hi) gives the weights j..j+VL
 // (low nibbles) and 16+j..16+j+VL (high nibbles) of a block as fma(q, scale, offset). ----
 #if defined(__AVX512F__)
-constexpr int VL = 16;
-using vf = __m512;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 struct Dequant {
   Dequant() = default;
   vf table;  // the group's 16 possible weights: table[q] = fma(q, scale, offset)
@@ -69,16 +63,6 @@ struct Dequant {
   }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int VL = 8;
-using vf = __m256;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(vf a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 struct Dequant {
   Dequant() = default;
   vf scale, offset;
@@ -89,13 +73,7 @@ struct Dequant {
     hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), scale, offset);
   }
 };
-#else  // portable: multiply-adds (std::fma is a library call without hardware FMA)
-constexpr int VL = 1;
-using vf = float;
-inline vf vzero() { return 0.f; }
-inline vf vload(const float* p) { return *p; }
-inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
-inline float vsum(vf a) { return a; }
+#else  // portable
 struct Dequant {
   Dequant() = default;
   float scale, offset;
@@ -142,15 +120,6 @@ struct Scales {
     s = buf.data(), o = buf.data() + count;
   }
 };
-
-// f(0), f(1), .. f(N-1) with compile-time indices: the tile's loops, written out so that its
-// accumulators are registers (GCC keeps a runtime-indexed array of vectors on the stack).
-template <typename F, int... I>
-inline void unroll_impl(F&& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-template <int N, typename F>
-inline void unroll(F&& f) { unroll_impl(f, std::make_integer_sequence<int, N>{}); }
 
 // out[m, n0:n0+NR] for m < M.  x: [M, K] float32;  packed: row n0's first block in its quad;
 // scale, offset: rows n0.. of [N, K/G] float32;  out: [M, N] (row stride N).

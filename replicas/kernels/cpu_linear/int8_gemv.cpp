@@ -26,55 +26,27 @@
 #include <type_traits>
 #include <utility>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
+using namespace simd;
+
 constexpr int64_t kBlock = 32;  // group sizes are multiples of this (GGUF's Q8_0 block)
 
-// ---- the ISA-specific part: a vector of VL floats, and vweights(q, scale): the VL int8 weights at q
+// ---- the ISA-specific part (the vector layer is simd.h): vweights(q, scale): the VL int8 weights at q
 // as float32 times scale. ----
 #if defined(__AVX512F__)
-constexpr int VL = 16;
-using vf = __m512;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vset1(float a) { return _mm512_set1_ps(a); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 inline vf vweights(const int8_t* q, vf scale) {  // 16 bytes -> 16 weights
   const __m512i i = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   return _mm512_mul_ps(_mm512_cvtepi32_ps(i), scale);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int VL = 8;
-using vf = __m256;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vset1(float a) { return _mm256_set1_ps(a); }
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline float vsum(vf a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 inline vf vweights(const int8_t* q, vf scale) {  // 8 bytes -> 8 weights
   const __m256i i = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
   return _mm256_mul_ps(_mm256_cvtepi32_ps(i), scale);
 }
-#else  // portable: multiply-adds (std::fma is a library call without hardware FMA)
-constexpr int VL = 1;
-using vf = float;
-inline vf vzero() { return 0.f; }
-inline vf vset1(float a) { return a; }
-inline vf vload(const float* p) { return *p; }
-inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
-inline vf vadd(vf a, vf b) { return a + b; }
-inline float vsum(vf a) { return a; }
+#else  // portable
 inline vf vweights(const int8_t* q, vf scale) { return static_cast<float>(*q) * scale; }
 #endif
 
@@ -85,15 +57,6 @@ constexpr int kPassRows = VL == 16 ? 16 : 8;  // rows of x per pass over a weigh
 constexpr int64_t kMaxRows = 16;               // rows of x per pass over all the weights (more: more passes)
 constexpr int tile_rows(int M) { return VL == 16 ? (M <= 4 ? 4 : M <= 8 ? 2 : 1) : (M <= 4 ? 2 : 1); }
 constexpr int acc_sets(int M) { return VL == 16 ? (M <= 2 ? 2 : 1) : VL == 8 ? (M <= 2 ? 2 : 1) : 1; }
-
-// f(0), f(1), .. f(N-1) with compile-time indices: the tile's loops, written out so that its
-// accumulators are registers (GCC keeps a runtime-indexed array of vectors on the stack).
-template <typename F, int... I>
-inline void unroll_impl(F&& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-template <int N, typename F>
-inline void unroll(F&& f) { unroll_impl(f, std::make_integer_sequence<int, N>{}); }
 
 // out[m, n0:n0+NR] for m < MR.  x: [MR, K] float32 (row stride K);  q: row n0 of [N, K] int8;
 // scale: row n0 of [N, K/G] float32;  out: [MR, N] (row stride N).
