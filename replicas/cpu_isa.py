@@ -18,7 +18,7 @@ import functools
 import logging
 import os
 
-logger = logging.getLogger("tether")
+logger = logging.getLogger("ray.serve")  # Serve configures it in replicas: these lines reach the replica log
 
 LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
 # The cpuinfo flags each level needs on top of the one below it.

@@ -7,7 +7,7 @@ import torch
 
 from replicas import cpu_isa
 
-logger = logging.getLogger("tether")
+logger = logging.getLogger("ray.serve")  # Serve configures it in replicas: these lines reach the replica log
 
 
 def resolve_device(device: str) -> torch.device:

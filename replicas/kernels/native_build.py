@@ -25,7 +25,7 @@ from types import ModuleType
 from replicas.cpu_isa import compiler_flags, cpu_isa
 from replicas.models.prepare import default_cache_dir
 
-logger = logging.getLogger("tether")
+logger = logging.getLogger("ray.serve")  # Serve configures it in replicas: these lines reach the replica log
 
 
 def load_native(name: str, sources: list[Path], is_python_module: bool = True) -> ModuleType | str | None:

@@ -16,7 +16,7 @@ from replicas.models.layers import MergedLinear, RotaryEmbedding, use_native_ops
 from replicas.models.llama import LlamaForCausalLM, rope_theta
 from replicas.models.qwen3_5 import Qwen3_5ForCausalLM
 
-logger = logging.getLogger("tether")
+logger = logging.getLogger("ray.serve")  # Serve configures it in replicas: these lines reach the replica log
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
