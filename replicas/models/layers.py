@@ -1,8 +1,10 @@
 """Small layers shared by the model families: RMSNorm, rotary embedding, merged projections, SwiGLU MLP.
 
-Layers with a `native` attribute run the fused CPU ops (replicas/kernels/fused_cpu) when the loader sets it
+RMSNorm and SwiGLU run the fused CPU ops (replicas/kernels/fused_cpu) where the loader sets their `native`
 (`use_native_ops`); their PyTorch code is the reference those ops are tested against and the fallback.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -68,13 +70,12 @@ class RotaryEmbedding(nn.Module):
         return StepRope(positions, self.cos, self.sin, None if native else self.tables(positions))
 
 
+@dataclass(slots=True)
 class StepRope:
-    __slots__ = ("positions", "cos", "sin", "gathered")
-
-    def __init__(self, positions, cos, sin, gathered):
-        self.positions = positions  # [T]
-        self.cos, self.sin = cos, sin  # [P, D] float32, sin signed (RotaryEmbedding)
-        self.gathered = gathered  # (cos, sin) [T, 1, D] each, or None where the native op rotates
+    positions: torch.Tensor  # [T]
+    cos: torch.Tensor  # [P, D] float32
+    sin: torch.Tensor  # [P, D] float32, signed (RotaryEmbedding)
+    gathered: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [T, 1, D]; None where the native op rotates
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] -> rotated; in place (x returned) on the native path."""
@@ -132,7 +133,7 @@ def use_native_ops(model: nn.Module) -> int:
     """Turns on the fused CPU ops in every layer that has them, where they are built; returns how many layers."""
     if fused_cpu.fused_ops() is None:
         return 0
-    layers = [m for m in model.modules() if hasattr(m, "native")]
+    layers = [m for m in model.modules() if isinstance(m, (RMSNorm, SwiGLU))]
     for module in layers:
         module.native = True
     return len(layers)

@@ -112,7 +112,7 @@ class Int8Linear(nn.Module):
         self.dense = dense
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.group_size = self.in_features // scale.shape[1]
-        self.ops = native_int8()  # not `native`: the loader sets that attribute on the fused-op layers
+        self.ops = native_int8()
         self.max_rows = max_rows if self.ops is not None else 0
         self.register_buffer("q", q.to(torch.int8).contiguous(), persistent=False)
         self.register_buffer("scale", scale.float().contiguous(), persistent=False)
