@@ -62,6 +62,8 @@ class EngineConfig(BaseModel):
 
 
 def read_max_position_embeddings(model_dir: str) -> int:
-    """From config.json, without loading the model (the ingress has no torch)."""
+    """From config.json, without loading the model (the ingress has no torch); a multimodal checkpoint's from its
+    language model's config (`text_config`)."""
     with open(Path(model_dir) / "config.json") as f:
-        return int(json.load(f)["max_position_embeddings"])
+        config = json.load(f)
+    return int(config.get("max_position_embeddings") or config["text_config"]["max_position_embeddings"])

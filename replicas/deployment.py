@@ -5,6 +5,11 @@ yields GenerateDeltas as replicas/messages.py describes, each stamped with
 this replica's id; raises RequestError before the first delta for a request
 that can never run here. When the caller goes away, the generator is closed or
 cancelled and the sequence is aborted, its blocks freed at the next step.
+
+Start-up: a model this replica cannot serve raises from the constructor with the
+loader's own message (a ValueError, not wrapped), which Serve shows in
+`serve status` once it gives up retrying (the builder sets
+`max_constructor_retry_count`; serve_app/app.py).
 """
 
 import logging
@@ -21,6 +26,7 @@ from replicas.engine.async_engine import AsyncEngine
 from replicas.engine.engine import Engine
 from replicas.messages import GenerateRequest
 from replicas.metrics import ReplicaMetrics
+from replicas.models.architectures import check_model_dir
 from replicas.models.prepare import prepare_model
 
 logger = logging.getLogger("ray.serve")
@@ -40,8 +46,15 @@ class ModelReplica:
         config = EngineConfig(**engine_config)
         # The model may be a spec ('default', a .gguf): prepare it on this node (cached, locked).
         config = config.model_copy(update={"model": str(prepare_model(config.model, progress=False))})
+        check_model_dir(config.model)  # the builder checked its node's copy; this node's may differ
         num_threads = resolve_threads(config.num_threads)
-        self.engine = AsyncEngine(lambda: Engine(config), num_threads, config.stream_interval)
+        try:
+            self.engine = AsyncEngine(lambda: Engine(config), num_threads, config.stream_interval)
+        except RuntimeError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ValueError):  # a model or config the engine refuses: its message, verbatim
+                raise cause from None
+            raise
         self.replica_id = current_replica_id()
         self.metrics = ReplicaMetrics(self.replica_id)  # a no-op outside Ray
         # Over the requests that came with the router's prediction for this replica.
@@ -71,6 +84,9 @@ class ModelReplica:
         self.metrics.record_routed(predicted, delivered, shortfall)
 
     def model_info(self) -> dict:
+        """Cheap (no engine step): the ingress's `/health` probe and its context-length sync.
+        Raises while the engine cannot serve."""
+        self.check_health()
         engine = self.engine.engine
         return {"max_model_len": engine.max_model_len, "num_kv_blocks": engine.block_pool.num_blocks,
                 "dtype": str(engine.dtype).removeprefix("torch."), "replica_id": self.replica_id}

@@ -3,8 +3,15 @@
     serve run serve_app.app:build_app model=<dir-or-gguf> num_replicas=2 dtype=float32
 
 Validates the AppConfig once, prepares the model (GGUF -> checkpoint, cached),
-and binds the ModelReplica deployment, with the conversation router, into the
-Ingress deployment.
+checks that Tether serves its architecture, and binds the ModelReplica
+deployment, with the conversation router, into the Ingress deployment.
+
+A model that cannot be served fails here, in the `serve run` driver (or in
+Serve's build task for a config file, where `serve status` shows it), before
+anything is deployed. What only a replica can find (its node's copy of the
+model, the weights) fails its constructor; after
+`replica_max_constructor_retry_count` such failures Serve marks ModelReplica
+DEPLOY_FAILED with the error, and the ingress's `/health` answers 503.
 """
 
 import logging
@@ -15,6 +22,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from cache_router.router import ConversationRouter
 from replicas.deployment import ModelReplica
+from replicas.models.architectures import check_model_dir
 from replicas.models.prepare import prepare_model
 from serve_app.backend import HandleBackend
 from serve_app.config import AppConfig
@@ -46,10 +54,12 @@ def build_app_routed(args: dict, request_router: RequestRouterConfig | None) -> 
         config = config.model_copy(update={"engine": engine})
     # Converts once, with a progress bar; replicas prepare the same spec on their own node (cached).
     model_dir = str(prepare_model(engine.model))
+    check_model_dir(model_dir)  # an unsupported architecture stops here, with the message the loader gives
     replica_options = dict(
         max_ongoing_requests=engine.max_num_seqs,
         max_queued_requests=config.replica_max_queued_requests,
         ray_actor_options={"num_cpus": config.replica_num_cpus},
+        max_constructor_retry_count=config.replica_max_constructor_retry_count,
         request_router_config=request_router or router_config(config),
     )
     if config.num_replicas == "auto":

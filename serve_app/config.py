@@ -22,6 +22,8 @@ class IngressConfig(BaseModel):
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 / 503.")
     expose_replica_header: bool = Field(True, description="Send `x-tether-replica` (the replica(s) that served).")
     max_n: int = Field(16, ge=1, le=128, description="Most choices one request may ask for (`n`).")
+    health_timeout_s: float = Field(
+        2.0, gt=0, description="How long `GET /health` waits for a ModelReplica to answer before it says 503.")
 
 
 class RouterConfig(BaseModel):
@@ -48,6 +50,11 @@ class AppConfig(BaseModel):
     replica_num_cpus: float = Field(1.0, ge=0, description="CPUs each ModelReplica actor reserves.")
     replica_max_queued_requests: int = Field(
         32, ge=1, description="Requests each caller may queue for busy replicas; past it: 503 with Retry-After.")
+    replica_max_constructor_retry_count: int = Field(
+        2, ge=1, description="ModelReplica start-up failures (all replicas together, before any has started) "
+                             "after which Serve stops retrying and marks the deployment DEPLOY_FAILED with the "
+                             "error; Serve takes min(this, 3 x replicas). Start-up errors are mostly "
+                             "configuration (a model Tether cannot load): retrying them only hides them.")
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)

@@ -13,6 +13,7 @@ A client that goes away closes the merged stream, which cancels every call.
 
 import asyncio
 import json
+import time
 from typing import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -31,6 +32,7 @@ class FanOut:
         self.config = config
         self.metrics = metrics
         self.num_in_flight = 0
+        self.last_delta_at = float("-inf")  # time.monotonic() of the last delta any replica sent
 
     async def respond(self, requests: list[GenerateRequest], fmt: ResponseFormat, stream: bool, start: float):
         """`start`: when the request arrived (time.perf_counter), for time to first token."""
@@ -65,6 +67,7 @@ class FanOut:
         try:
             async for delta in stream:
                 timer.tick()
+                self.last_delta_at = time.monotonic()  # a replica served: /health needs no probe now
                 yield delta
         finally:
             await stream.aclose()

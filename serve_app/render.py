@@ -97,13 +97,26 @@ class Renderer:
                            param="suffix")
 
     def turn_terminator(self) -> tuple[str, list[int]]:
-        """What the template writes after an assistant reply's content (SmolLM2: '<|im_end|>\\n')."""
+        """What the template writes after an assistant reply's content when the conversation goes on (SmolLM2:
+        '<|im_end|>\\n'; Llama 3: '<|eot_id|>'): the tokens a reply is followed by both at the end of the
+        conversation and before a next user message. Not what ends a whole conversation only (Phi-3 writes
+        its eos there)."""
         if self._terminator is None:
-            text = self.render_text([{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}],
-                                    add_generation_prompt=False)
-            after = text[text.index(SENTINEL) + len(SENTINEL):]
-            self._terminator = (after, self.encode(after))
+            reply = [{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}]
+            last = self._after_sentinel(self.render_text(reply, add_generation_prompt=False))
+            followed = self._after_sentinel(self.render_text(reply + [{"role": "user", "content": "y"}],
+                                                             add_generation_prompt=False))
+            encoding = self.tokenizer(last, add_special_tokens=False, return_offsets_mapping=True)
+            ids, followed_ids, num_common = encoding["input_ids"], self.encode(followed), 0
+            while num_common < min(len(ids), len(followed_ids)) and ids[num_common] == followed_ids[num_common]:
+                num_common += 1
+            end = encoding["offset_mapping"][num_common - 1][1] if num_common else 0
+            self._terminator = (last[:end], ids[:num_common])
         return self._terminator
+
+    @staticmethod
+    def _after_sentinel(text: str) -> str:
+        return text[text.index(SENTINEL) + len(SENTINEL):]
 
     def render_turn(self, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None,
                     caller: str, model: str, retain: bool, continue_final_message: bool = False) -> ChatRender:

@@ -4,6 +4,7 @@
 routes run inside the Serve ingress and, over a LocalBackend, in plain uvicorn.
 """
 
+import asyncio
 import hashlib
 import time
 import uuid
@@ -193,6 +194,23 @@ class OpenAIServer:
             raise RequestError(f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": self.renderer.tokenizer.decode(body.tokens)}
 
+    async def health(self) -> dict:
+        """200 while at least one ModelReplica can serve: one sent a delta within `ingress.health_timeout_s`
+        (a busy deployment is healthy: a probe would queue behind its work), or one answers a cheap call (no
+        engine step) within that time; else a 503 saying why (none started yet, all failed, none answers)."""
+        timeout_s = self.config.ingress.health_timeout_s
+        if time.monotonic() - self.fanout.last_delta_at < timeout_s:
+            return {"status": "ok"}
+        try:
+            await asyncio.wait_for(self.backend.model_info(), timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(f"no model replica can serve: none answered within {timeout_s:g} s",
+                               status_code=503, type="server_unavailable") from None
+        except Exception as exc:  # DeploymentUnavailableError (none can start), an engine that failed, ...
+            raise RequestError(f"no model replica can serve: {_reason(exc)}", status_code=503,
+                               type="server_unavailable") from exc
+        return {"status": "ok"}
+
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "tether", "max_model_len": self.max_model_len}]}
@@ -223,7 +241,7 @@ def make_api(server: OpenAIServer) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return await server.health()
 
     @app.get("/version")
     async def version():
@@ -236,3 +254,14 @@ def make_api(server: OpenAIServer) -> FastAPI:
         return error_response(error, server.config.ingress.retry_after_s)
 
     return app
+
+
+def _reason(exc: BaseException) -> str:
+    """Why a replica call failed, in one line: the last line of an error that may have crossed Ray (a
+    RayTaskError carries the remote traceback)."""
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    if isinstance(exc, DeploymentUnavailableError):  # its text is only the deployment's name
+        return "the model deployment failed to start; `serve status` shows why"
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__

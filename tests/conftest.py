@@ -39,3 +39,20 @@ def tiny_hybrid_dir(smollm2_dir, tmp_path_factory) -> Path:
     from tests.tiny_hybrid import make_tiny_qwen3_5
 
     return make_tiny_qwen3_5(tmp_path_factory.mktemp("tiny-hybrid"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_family(smollm2_dir, tmp_path_factory):
+    """family -> the directory of its tiny random-weight checkpoint (tests/tiny_families.py), built once."""
+    from tests.tiny_families import make_tiny_family, make_tiny_gemma3_multimodal
+
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{family}")
+            made[family] = make_tiny_gemma3_multimodal(out, smollm2_dir) if family == "gemma3_multimodal" \
+                else make_tiny_family(family, out, smollm2_dir)
+        return made[family]
+
+    return get

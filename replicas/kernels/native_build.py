@@ -4,7 +4,7 @@ torch.utils.cpp_extension, once per host.
     load_native(name, sources) -> module | None
 
 A build lands in <cache_dir>/native/<name>-<ISA level>-torch<version>-<digest>, where the digest (12 hex of
-SHA-1) covers the sources' bytes and the compiler flags, so an edited source, another ISA cap
+SHA-1) covers the sources' paths and bytes and the compiler flags, so an edited source, another ISA cap
 (TETHER_CPU_ISA, replicas/cpu_isa.py) or another torch builds afresh and never loads a stale module. A
 file lock serialises processes that start at once on one host; the first builds (tens of seconds, logged
 once with its time), the others wait and load. Nothing builds at import time: only load_native does.
@@ -50,6 +50,9 @@ def _load_native(name: str, sources: tuple[Path, ...], is_python_module: bool) -
     flags = ["-O3", "-fopenmp", *compiler_flags()]
     digest = hashlib.sha1()
     for source in sources:
+        # The path too: ninja rebuilds where the same bytes sit at another path (two checkouts on one host would
+        # take turns rebuilding one directory).
+        digest.update(str(source.resolve()).encode())
         digest.update(source.read_bytes())
         for header in sorted(source.parent.glob("*.h")):  # headers beside a source are part of it
             digest.update(header.read_bytes())

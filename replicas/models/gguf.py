@@ -1,9 +1,10 @@
-"""GGUF -> Hugging Face checkpoint directory, for Llama-family models.
+"""GGUF -> Hugging Face checkpoint directory, for the decoder families in gguf_families.py.
 
 The engine loads one format: a Hugging Face style directory (config.json,
 model.safetensors, tokenizer files). A GGUF file is converted once into that
 format, float32 and dequantized, with llama.cpp's Q/K row permutation undone
-so the weights follow HF's rotary convention (halves, not interleaved pairs).
+where it applied one (architecture "llama") so the weights follow HF's rotary
+convention (halves, not interleaved pairs).
 
 We read the GGUF with the `gguf` package rather than transformers' loader:
 the tensors come out one at a time (a progress bar per tensor), and nothing is
@@ -13,53 +14,50 @@ knows how to build a fast BPE tokenizer from GGUF metadata.
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
-from transformers import AutoTokenizer, GenerationConfig, LlamaConfig
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+from replicas.models.gguf_families import OPTIONAL_TENSORS, ROPE_FREQS, Family, family_of, hf_names, read_config
 
-# GGUF tensor name -> HF checkpoint name. "{i}" is the layer index.
-TENSOR_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
+# What llama.cpp's Q4_K_M / Q5_K_M / Q6_K / Q8_0 / F16 files hold. Q5_0 / Q5_1 are in there too:
+# llama.cpp falls back to them from Q4_K / Q5_K for rows that are not whole 256-wide super-blocks
+# (llama-quant.cpp, e.g. Qwen2.5-0.5B's hidden size 896).
+SUPPORTED_TYPES = tuple(GGMLQuantizationType[name] for name in (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
-    """Write a HF checkpoint for the Llama-family GGUF at `gguf_path` into `out_dir`.
+    """Write a HF checkpoint for the GGUF at `gguf_path` into `out_dir`.
 
     Writes config.json, generation_config.json, model.safetensors (float32,
     HF names) and the tokenizer files (tokenizer.json, tokenizer_config.json
     with the GGUF's chat template, special tokens). `out_dir` is created if
-    needed; files already there are overwritten. Raises ValueError for an
-    architecture other than llama or a tensor it does not know.
+    needed; files already there are overwritten. Raises ValueError, before
+    writing anything, for an architecture not in gguf_families.FAMILIES, a
+    tensor it does not know or whose type is not in SUPPORTED_TYPES, and rope
+    scaling HF cannot express exactly.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     reader = GGUFReader(gguf_path)
-    config = read_config(reader)
-    tensors = read_tensors(reader, config, progress)
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    arch = field(reader, "general.architecture")
+    family = family_of(arch)
+    tensors = {t.name: t for t in reader.tensors}
+    check_tensors(family, tensors, field(reader, f"{arch}.block_count"))
+    config = read_config(partial(field, reader), arch, tensors)
+    weights = read_tensors(reader, family, config, progress)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
     os.chmod(out_dir / "model.safetensors", 0o644)  # safetensors writes 0600; caches are shared
     config.save_pretrained(out_dir)
-    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    generation_config(reader, config).save_pretrained(out_dir)
     save_tokenizer(gguf_path, out_dir, field(reader, "tokenizer.chat_template"))
 
 
@@ -70,60 +68,37 @@ def field(reader: GGUFReader, key: str, default=None):
     return reader.fields[key].contents()
 
 
-def read_config(reader: GGUFReader) -> LlamaConfig:
-    """A float32 LlamaConfig from the GGUF metadata."""
-    arch = field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
-    hidden_size = field(reader, f"{arch}.embedding_length")
-    num_heads = field(reader, f"{arch}.attention.head_count")
-    tensor_names = {t.name for t in reader.tensors}
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    return LlamaConfig(
-        vocab_size=int(embed.shape[1]),  # GGUF shapes are [cols, rows]
-        hidden_size=hidden_size,
-        intermediate_size=field(reader, f"{arch}.feed_forward_length"),
-        num_hidden_layers=field(reader, f"{arch}.block_count"),
-        num_attention_heads=num_heads,
-        num_key_value_heads=field(reader, f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=field(reader, f"{arch}.attention.key_length", hidden_size // num_heads),
-        max_position_embeddings=field(reader, f"{arch}.context_length"),
-        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=field(reader, "tokenizer.ggml.padding_token_id"),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        architectures=["LlamaForCausalLM"],
-        dtype=torch.float32,
-    )
+def check_tensors(family: Family, tensors: dict, num_layers: int) -> None:
+    """Every tensor known to the family and of a supported type, and none missing; so a bad file
+    fails in milliseconds rather than after minutes of dequantizing."""
+    names = set(hf_names(family, num_layers)) | ({ROPE_FREQS} if family.has_rope_freqs else set())
+    for name, t in tensors.items():
+        if name not in names:
+            raise ValueError(f"unknown GGUF tensor {name!r} for a {family.hf_architecture}")
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise ValueError(f"tensor {name} has type {t.tensor_type.name}; "
+                             f"supported: {', '.join(q.name for q in SUPPORTED_TYPES)}")
+    missing = set(hf_names(family, num_layers)) - set(tensors) - set(OPTIONAL_TENSORS)
+    if missing:
+        raise ValueError(f"GGUF lacks tensors {sorted(missing)[:5]}")
 
 
-def read_tensors(reader: GGUFReader, config: LlamaConfig, progress: bool) -> dict[str, torch.Tensor]:
-    """Every GGUF tensor, dequantized to float32, under its HF name."""
-    names = hf_names(config.num_hidden_layers)
+def read_tensors(reader: GGUFReader, family: Family, config, progress: bool) -> dict[str, torch.Tensor]:
+    """Every GGUF weight, dequantized to float32, under its HF name."""
+    names = hf_names(family, config.num_hidden_layers)
     tensors = {}
     for t in tqdm(reader.tensors, desc="gguf -> safetensors", unit="tensor", disable=not progress):
-        if t.name not in names:
-            raise ValueError(f"unknown GGUF tensor {t.name!r}")
+        if t.name == ROPE_FREQS:
+            continue  # in config.json's rope_parameters by now
         # weights: [rows, cols] in HF's (out_features, in_features) order
         # copy: F32 tensors come back as read-only views of the memory-mapped file
         weights = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if ".attn_q." in t.name:
+        if family.permutes_qk and ".attn_q." in t.name:
             weights = unpermute(weights, config.num_attention_heads)
-        elif ".attn_k." in t.name:
+        elif family.permutes_qk and ".attn_k." in t.name:
             weights = unpermute(weights, config.num_key_value_heads)
         tensors[names[t.name]] = torch.from_numpy(np.ascontiguousarray(weights))
     return tensors
-
-
-def hf_names(num_layers: int) -> dict[str, str]:
-    """TENSOR_NAMES with the layer index filled in for every layer."""
-    names = {}
-    for gguf_name, hf_name in TENSOR_NAMES.items():
-        for i in range(num_layers) if "{i}" in gguf_name else [None]:
-            names[gguf_name.format(i=i)] = hf_name.format(i=i)
-    return names
 
 
 def unpermute(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -143,9 +118,24 @@ def unpermute(weights: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weights.shape)
 
 
+def generation_config(reader: GGUFReader, config) -> GenerationConfig:
+    """The config's bos / eos / pad, with every end-of-generation id llama.cpp stops on as eos:
+    instruct GGUFs name the end of a turn (Llama 3's <|eot_id|>) apart from EOS."""
+    generation = GenerationConfig.from_model_config(config)
+    stops = [config.eos_token_id] + [field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eot", "eom")]
+    stops = list(dict.fromkeys(i for i in stops if i is not None))
+    if len(stops) > 1:
+        generation.eos_token_id = stops
+    return generation
+
+
 def save_tokenizer(gguf_path: Path, out_dir: Path, chat_template: str | None) -> None:
-    """Build the fast tokenizer from the GGUF metadata and save it to `out_dir`."""
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    """Build the fast tokenizer from the GGUF metadata and save it to `out_dir`.
+
+    The generic class, not AutoTokenizer's pick: AutoTokenizer parses the whole GGUF once more (seconds,
+    for 100k-token vocabularies) only to choose a class (Qwen2Tokenizer, ...) that wraps the same
+    tokenizer.json; the generic one keeps exactly what transformers built from the GGUF."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(out_dir)

@@ -1,16 +1,15 @@
-"""Small layers shared by the model families: RMSNorm, rotary embedding, merged projections, SwiGLU MLP.
+"""Small layers shared by the model families: RMSNorms, merged projections, the gated MLP (SwiGLU / GeGLU).
 
 RMSNorm and SwiGLU run the fused CPU ops (replicas/kernels/fused_cpu) where the loader sets their `native`
 (`use_native_ops`); their PyTorch code is the reference those ops are tested against and the fallback.
 """
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from replicas.kernels import fused_cpu
+from replicas.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -40,57 +39,19 @@ class RMSNorm(nn.Module):
         return self._native_weights[dtype]
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding, rotate-half convention (transformers' Llama).
+class ZeroCenteredRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), all in float32, then cast: Gemma's and Qwen3.5's RMSNorm (checkpoints store
+    weight ~ 0)."""
 
-    The tables hold each position's cos and signed sin over the full rotary width, so that
-    rotate(x) = x * cos + swap_halves(x) * sin: [x1 cos - x2 sin, x2 cos + x1 sin], as transformers
-    computes it (a - b and a + (-b) round alike), in five ops instead of ten."""
-
-    def __init__(self, head_dim: int, max_position: int, theta: float):
+    def __init__(self, hidden_size: int, eps: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
-        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)  # [P, D]
-        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)  # [P, D]
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
-        cos, sin = self.tables(positions)
-        return rotate(q, cos, sin), rotate(k, cos, sin)
-
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin at `positions`: [T, 1, D] each; once per step, shared by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    def step_rope(self, positions: torch.Tensor, native: bool) -> "StepRope":
-        """What every layer of one step rotates with: the native op reads the whole tables at `positions`;
-        the PyTorch path gathers them once per step."""
-        return StepRope(positions, self.cos, self.sin, None if native else self.tables(positions))
-
-
-@dataclass(slots=True)
-class StepRope:
-    positions: torch.Tensor  # [T]
-    cos: torch.Tensor  # [P, D] float32
-    sin: torch.Tensor  # [P, D] float32, signed (RotaryEmbedding)
-    gathered: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [T, 1, D]; None where the native op rotates
-
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D] -> rotated; in place (x returned) on the native path."""
-        if self.gathered is None:
-            fused_cpu.rotary_embedding_(x, self.positions, self.cos, self.sin)
-            return x
-        return rotate(x, *self.gathered)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x [T, heads, D] in float32, cast back. cos, sin: [T, 1, D] (RotaryEmbedding.tables)."""
-    x_float = x.float()
-    out = x_float * cos
-    out += x_float.roll(x.shape[-1] // 2, dims=-1).mul_(sin)  # [x2, x1] * [-sin, sin]
-    return out.to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class MergedLinear(nn.Linear):
@@ -114,26 +75,34 @@ class MergedLinear(nn.Linear):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    """down(act(gate(x)) * up(x)); act: silu (SwiGLU) or gelu_pytorch_tanh (Gemma's GeGLU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu"):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.activation = activation
         self.native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and x.dim() == 2:
+        if self.native and x.dim() == 2 and self.activation == "silu":
             return self.down_proj(fused_cpu.silu_and_mul(self.gate_up_proj(x), x.dtype))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        # silu(gate) * up in float32, one rounding at the end; in place: two fewer [T, I] temporaries.
-        product = F.silu(gate.float(), inplace=True).mul_(up)
+        # act(gate) * up in float32, one rounding at the end; in place: fewer [T, I] temporaries.
+        product = ACTIVATIONS[self.activation](gate.float()).mul_(up)
         return self.down_proj(product.to(x.dtype))
 
 
+ACTIVATIONS = {"silu": lambda x: F.silu(x, inplace=True), "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 def use_native_ops(model: nn.Module) -> int:
-    """Turns on the fused CPU ops in every layer that has them, where they are built; returns how many layers."""
+    """Turns on the fused CPU ops (norm, activation, rotary) in every layer that has them, where they are built; returns how many layers."""
     if fused_cpu.fused_ops() is None:
         return 0
-    layers = [m for m in model.modules() if isinstance(m, (RMSNorm, SwiGLU))]
+    layers = [m for m in model.modules() if isinstance(m, (RMSNorm, SwiGLU, RotaryEmbedding))]
     for module in layers:
         module.native = True
     return len(layers)

@@ -1,53 +1,57 @@
-"""Llama-family decoder (SmolLM2, Llama 2/3 without rope scaling): RoPE, GQA, RMSNorm, SwiGLU.
+"""The Llama-shaped decoders: Llama 2/3.x (and SmolLM2), Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Phi-3/Phi-4-mini.
 
-Runs one step's flattened batch: `input_ids` [T] and `positions` [T] of every
-scheduled token of every sequence, with the step's `ForwardBatch` describing
-where each token's KV goes (slot_mapping) and what it attends to (groups).
-Module names follow the checkpoint names, so loading is a name-for-name copy.
+They differ by a few lines each, so they are one model here, its variations data (attention.py's table, the
+MLP below, rope.py's scaling rules):
+- Llama 3.x: llama3 RoPE scaling (rope.py), tied or untied embeddings;
+- Mistral: a sliding window on every layer where the config sets one;
+- Qwen2/2.5: bias on q/k/v; Qwen3: per-head RMSNorm on q and k, explicit head_dim;
+- Qwen3-MoE: the sparse MoE MLP (moe.py) on its sparse layers (`decoder_sparse_step`, `mlp_only_layers`);
+- Phi-3: fused qkv_proj / gate_up_proj weights (the loader takes a merged projection whole), partial rotary and
+  longrope (rope.py).
+
+Runs one step's flattened batch: `input_ids` [T] and `positions` [T] of every scheduled token of every
+sequence, with the step's `ForwardBatch` describing where each token's KV goes (slot_mapping) and what it
+attends to. Module names follow the checkpoint names, so loading is a name-for-name copy.
 """
 
 import torch
 from torch import nn
 
-from replicas.kernels.paged_attention import paged_attention, store_kvcache
+from replicas.models.attention import Attention
 from replicas.models.forward_batch import ForwardBatch
-from replicas.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, StepRope, SwiGLU
+from replicas.models.layers import RMSNorm, SwiGLU
+from replicas.models.moe import SparseMoeBlock
+from replicas.models.rope import RotaryEmbedding, StepRope, check_rope
+
+# model_type -> what its attention adds to Llama's (attention.py's table)
+FAMILIES = {"llama": {}, "mistral": {}, "phi3": {}, "qwen2": {"qkv_bias": True},
+            "qwen3": {"qk_norm": RMSNorm}, "qwen3_moe": {"qk_norm": RMSNorm}}
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scale = self.head_dim ** -0.5
-        bias = bool(getattr(config, "attention_bias", False))
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
-                                     bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+def make_attention(config, layer_idx: int) -> Attention:
+    bias = bool(getattr(config, "attention_bias", False))
+    options = {"qkv_bias": bias, "o_bias": bias, **FAMILIES[config.model_type]}
+    return Attention(config, layer_idx, **options)
 
-    def forward(self, rope: StepRope, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                batch: ForwardBatch) -> torch.Tensor:
-        # x: [T, hidden]
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
-        qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
-        # q and k are adjacent in qkv: one rotation for both.
-        qk = rope.rotate(qkv[:, :qk_width].view(num_tokens, -1, self.head_dim))  # [T, H + Hkv, D]
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping, native=batch.groups is None)
-        o = paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(num_tokens, -1))
+
+def is_sparse_layer(config, layer_idx: int) -> bool:
+    """Qwen3-MoE: layer i has the MoE MLP unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""
+    return (getattr(config, "num_experts", 0) > 0 and layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+            and (layer_idx + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
+
+
+def make_mlp(config, layer_idx: int) -> nn.Module:
+    if is_sparse_layer(config, layer_idx):
+        return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                              config.num_experts_per_tok, bool(getattr(config, "norm_topk_prob", True)))
+    return SwiGLU(config.hidden_size, config.intermediate_size, config.hidden_act)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int):
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.self_attn = make_attention(config, layer_idx)
+        self.mlp = make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -63,17 +67,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
+        self.rotary = RotaryEmbedding(config, config.max_position_embeddings)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, batch):
         # The residual stream stays float32 whatever the weights' dtype: bf16 sums drift (the layers'
         # matmuls still run in the weights' dtype). -> [T, hidden] float32, for the float32 head.
         x = self.embed_tokens(input_ids).float()  # [T, hidden]
-        rope = self.rotary.step_rope(positions, native=self.norm.native)
+        rope = self.rotary.step_rope(positions)
         pending = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, pending = layer(rope, x, pending, kv_cache, batch)
@@ -103,15 +106,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()  # the head may be float32
 
 
-def rope_theta(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
-
-
 def check_supported(config) -> None:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ValueError(f"rope scaling {rope_type!r} is not supported yet")
+    if config.model_type not in FAMILIES:
+        raise ValueError(f"model_type {config.model_type!r} is not a Llama-shaped family: {sorted(FAMILIES)}")
+    check_rope(config)
     if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"activation {config.hidden_act!r} is not supported (Llama uses silu)")
+        raise ValueError(f"activation {config.hidden_act!r} is not supported ({config.model_type} uses silu)")
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("mlp_bias is not supported (no released Llama-family checkpoint sets it)")

@@ -1,5 +1,8 @@
-"""Loads a checkpoint directory (config.json + *.safetensors) into our model classes, name for name;
-the parts of a merged projection (q/k/v, gate/up: `MergedLinear`) into their rows of the merged weight."""
+"""Loads a checkpoint directory (config.json + *.safetensors) into our model classes, name for name:
+- the parts of a merged projection (q/k/v, gate/up: `MergedLinear`) into their rows of the merged weight, or the
+  merged weight whole where the checkpoint stores it fused (Phi-3's qkv_proj, gate_up_proj);
+- per-expert MoE weights into their expert's slice (a module's `checkpoint_shards`, moe.py);
+- through a model's `checkpoint_name` where its checkpoints nest it (Gemma 3's multimodal layout)."""
 
 import logging
 from pathlib import Path
@@ -12,15 +15,28 @@ from replicas.kernels.cpu_linear import PackedLinear, can_pack, pack_linears
 from replicas.kernels.cpu_linear.int8_native import Int8Linear
 from replicas.kernels.cpu_linear.int4 import find_four_bit_linears, int4_backend, use_int4_linears
 from replicas.kernels.paged_attention import can_use_native_attention
-from replicas.models.layers import MergedLinear, RotaryEmbedding, use_native_ops
-from replicas.models.llama import LlamaForCausalLM, rope_theta
-from replicas.models.qwen3_5 import Qwen3_5ForCausalLM
+from replicas.models.architectures import check_architecture
+from replicas.models.gemma3 import Gemma3ForCausalLM
+from replicas.models.layers import MergedLinear, use_native_ops
+from replicas.models.llama import LlamaForCausalLM
+from replicas.models.moe import use_native_experts
+from replicas.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from replicas.models.rope import RotaryEmbedding
 
 logger = logging.getLogger("ray.serve")  # Serve configures it in replicas: these lines reach the replica log
 
+# architectures value -> our class (replicas/models/architectures.py names the families and the closest ones)
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its language model; the vision weights are skipped
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,  # text-only checkpoints (model_type qwen3_5_text)
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,  # model_type qwen3_5_moe_text
 }
 
 
@@ -40,9 +56,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
       decode-sized batches (replicas/kernels/cpu_linear/int4.py: the native kernel, else torch's in bf16);
     - `native`: the native attention op and the fused norm / rotary / activation ops where they build."""
     config = load_config(model_dir)
-    arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"architecture {arch!r} is not supported; supported: {sorted(ARCHITECTURES)}")
+    arch = check_architecture(getattr(config, "architectures", None))  # the clear refusal, with the closest family
     with torch.device("meta"):
         model = ARCHITECTURES[arch](config)
     model = model.to_empty(device=device)
@@ -64,13 +78,15 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     # the PyTorch path only where this is False.
     model.native_attention = native and can_use_native_attention(device)
     num_fused = use_native_ops(model) if native and device.type == "cpu" else 0
+    num_native_moe = use_native_experts(model) if native and device.type == "cpu" else 0
     if device.type == "cpu":
         logger.info("CPU paths (ISA %s, %s): packed linears %d, int4 layers %d (%s), head %s, attention %s, "
-                    "fused ops %s", cpu_isa(), str(dtype).removeprefix("torch."),
+                    "fused ops %s, MoE decode %s", cpu_isa(), str(dtype).removeprefix("torch."),
                     sum(isinstance(m, PackedLinear) for m in model.modules()), len(four_bit), int4 or "off",
                     "int8 (native)" if int8_head is not None else "float32",
-                    "native" if model.native_attention else "pytorch", "native" if num_fused else "pytorch")
-    return model.eval(), config
+                    "native" if model.native_attention else "pytorch", "native" if num_fused else "pytorch",
+                    f"native ({num_native_moe} layers)" if num_native_moe else "grouped matmul")
+    return model.eval(), model.config  # a multimodal checkpoint's: its language model's config
 
 
 def checkpoint_names(model: torch.nn.Module) -> set[str]:
@@ -87,29 +103,38 @@ def _plain_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 def _load_weights(model: torch.nn.Module, model_dir: Path) -> None:
     shards = _shard_targets(model)
     params = _plain_params(model)
+    fused = _fused_names(model)
+    rename = getattr(model, "checkpoint_name", lambda name: name)
     loaded = set()
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors in {model_dir}")
     for path in files:
-        for name, tensor in load_file(str(path)).items():
+        for stored, tensor in load_file(str(path)).items():
+            name = rename(stored)
+            if name is None:
+                continue  # weights of a part we do not run (a multimodal checkpoint's vision tower)
             if name in shards:
-                param, rows = shards[name]
-                param.data[rows].copy_(tensor)
+                param, index = shards[name]
+                param.data[index].copy_(tensor)
+            elif name in fused:  # a merged projection stored whole: it stands for all its parts
+                fused[name][0].data.copy_(tensor)
+                loaded.update(fused[name][1])
             elif name in params:
                 params[name].data.copy_(tensor)
             elif name == "lm_head.weight" or "rotary_emb" in name:
                 continue  # tied head, or a buffer we compute
             else:
-                raise ValueError(f"unexpected weight {name!r} in {path.name}")
+                raise ValueError(f"unexpected weight {stored!r} in {path.name}")
             loaded.add(name)
     missing = checkpoint_names(model) - loaded
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
 
 
-def _shard_targets(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter, slice]]:
-    """Checkpoint name of each part of a merged projection -> (the merged parameter, its rows)."""
+def _shard_targets(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter, object]]:
+    """Checkpoint name of each part of a merged parameter -> (the merged parameter, its index): rows of a
+    MergedLinear, an expert's slice of stacked expert weights (`checkpoint_shards`)."""
     targets = {}
     for path, module in model.named_modules():
         if isinstance(module, MergedLinear):
@@ -119,7 +144,19 @@ def _shard_targets(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter
                 targets[f"{parent}.{shard}.weight"] = (module.weight, rows)
                 if module.bias is not None:
                     targets[f"{parent}.{shard}.bias"] = (module.bias, rows)
+        elif hasattr(module, "checkpoint_shards"):
+            targets.update(module.checkpoint_shards(path))
     return targets
+
+
+def _fused_names(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter, list[str]]]:
+    """A merged projection's own name (`...qkv_proj.weight`, as Phi-3 stores it) -> (its parameter, the part
+    names it covers); and a stacked experts parameter's (transformers 5's fused layout) likewise."""
+    shards = _shard_targets(model)
+    covers: dict[int, list[str]] = {}
+    for shard_name, (param, _) in shards.items():
+        covers.setdefault(id(param), []).append(shard_name)
+    return {name: (param, covers[id(param)]) for name, param in model.named_parameters() if id(param) in covers}
 
 
 def _float32_head(model: torch.nn.Module, weight: torch.Tensor) -> None:
@@ -141,9 +178,7 @@ def _float32_head(model: torch.nn.Module, weight: torch.Tensor) -> None:
 
 
 def _init_buffers(model: torch.nn.Module, config, device: torch.device) -> None:
-    # Buffers (rotary cos/sin) were made on the meta device; rebuild them for real.
+    # Buffers (rotary cos/sin) were made on the meta device; compute them for real.
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
-            head_dim = module.cos.shape[-1]
-            fresh = RotaryEmbedding(head_dim, module.cos.shape[0], rope_theta(config)).to(device)
-            module.cos, module.sin = fresh.cos, fresh.sin
+            module.materialize(device)

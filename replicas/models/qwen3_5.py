@@ -1,4 +1,5 @@
-"""Qwen3.5 text decoder (model_type `qwen3_5_text`): a hybrid of Gated DeltaNet and gated full attention.
+"""Qwen3.5 text decoder (model_type `qwen3_5_text`): a hybrid of Gated DeltaNet and gated full attention; and
+Qwen3.5-MoE (`qwen3_5_moe_text`), the same hybrid with the sparse MoE MLP and its gated shared expert (moe.py).
 
 `config.layer_types` names each layer "linear_attention" (GatedDeltaNet, state in slots outside the module:
 replicas/models/gated_deltanet.py) or "full_attention" (gated attention on our paged KV cache, as Llama's).
@@ -19,26 +20,13 @@ from torch import nn
 from replicas.kernels.paged_attention import paged_attention, store_kvcache
 from replicas.models.forward_batch import ForwardBatch
 from replicas.models.gated_deltanet import GatedDeltaNet, LinearStateBatch
-from replicas.models.layers import RotaryEmbedding, SwiGLU
-from replicas.models.llama import rope_theta
-
-
-class ZeroCenteredRMSNorm(nn.Module):
-    """transformers' Qwen3_5RMSNorm: x / rms(x) * (1 + weight), all in float32; checkpoints store weight ~ 0."""
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float()
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).to(x.dtype)
+from replicas.models.layers import SwiGLU, ZeroCenteredRMSNorm
+from replicas.models.moe import SparseMoeBlock
+from replicas.models.rope import RotaryEmbedding, StepRope, check_rope
 
 
 class Qwen3_5Attention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -52,10 +40,8 @@ class Qwen3_5Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = rotary
-        self.rotary_dim = rotary.cos.shape[-1]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, rope: StepRope, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
         # x: [T, hidden]
         num_tokens = x.shape[0]
@@ -63,40 +49,33 @@ class Qwen3_5Attention(nn.Module):
         q = self.q_norm(q)  # [T, H, D]
         k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self._rotate(positions, q, k)
+        q, k = rope.rotate(q), rope.rotate(k)  # the first rotary_dim dims of each head
         k_cache, v_cache = kv_cache
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping, native=batch.groups is None)
         o = paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, H, D]
         o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(num_tokens, -1))
 
-    def _rotate(self, positions, q, k):
-        if self.rotary_dim == self.head_dim:
-            return self.rotary(positions, q, k)
-        d = self.rotary_dim
-        q_rot, k_rot = self.rotary(positions, q[..., :d], k[..., :d])
-        return torch.cat([q_rot, q[..., d:]], dim=-1), torch.cat([k_rot, k[..., d:]], dim=-1)
-
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config, layer_type: str, rotary: RotaryEmbedding):
+    def __init__(self, config, layer_type: str):
         super().__init__()
         self.is_linear = layer_type == "linear_attention"
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(config)
         else:
-            self.self_attn = Qwen3_5Attention(config, rotary)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+            self.self_attn = Qwen3_5Attention(config)
+        self.mlp = make_mlp(config)
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, batch: ForwardBatch, kv_cache=None, linear_state=None,
+    def forward(self, rope: StepRope, x, batch: ForwardBatch, kv_cache=None, linear_state=None,
                 step: LinearStateBatch | None = None):
         h = self.input_layernorm(x)
         if self.is_linear:
             h = self.linear_attn(h, batch.cu_seqlens, linear_state, step)
         else:
-            h = self.self_attn(positions, h, kv_cache, batch)
+            h = self.self_attn(rope, h, kv_cache, batch)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -104,23 +83,22 @@ class Qwen3_5DecoderLayer(nn.Module):
 class Qwen3_5TextModel(nn.Module):
     def __init__(self, config):
         super().__init__()
-        params = config.rope_parameters or {}
-        rotary_dim = int(config.head_dim * params.get("partial_rotary_factor", 1.0))
-        rotary = RotaryEmbedding(rotary_dim, config.max_position_embeddings, rope_theta(config))
+        self.rotary = RotaryEmbedding(config, config.max_position_embeddings)  # partial: rotary_dim < head_dim
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t, rotary) for t in config.layer_types)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t) for t in config.layer_types)
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, batch, linear_state: LinearStateBatch | None):
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary.step_rope(positions)
         kv_iter = iter(kv_caches)
         state_iter = iter(linear_state.layers) if linear_state is not None else None
         for layer in self.layers:
             if layer.is_linear:
                 layer_state = next(state_iter) if state_iter is not None else None
-                x = layer(positions, x, batch, linear_state=layer_state, step=linear_state)
+                x = layer(rope, x, batch, linear_state=layer_state, step=linear_state)
             else:
-                x = layer(positions, x, batch, kv_cache=next(kv_iter))
+                x = layer(rope, x, batch, kv_cache=next(kv_iter))
         return self.norm(x)
 
 
@@ -152,11 +130,21 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()  # the head may be float32
 
 
+def make_mlp(config) -> nn.Module:
+    """Qwen3.5: SwiGLU; Qwen3.5-MoE: the sparse MoE MLP with its gated shared expert, on every layer."""
+    if getattr(config, "num_experts", 0):
+        return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                              config.num_experts_per_tok, bool(getattr(config, "norm_topk_prob", True)),
+                              config.shared_expert_intermediate_size)
+    return SwiGLU(config.hidden_size, config.intermediate_size)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE text checkpoints (model_type qwen3_5_moe_text): the same hybrid, the MoE MLP (make_mlp)."""
+
+
 def check_supported(config) -> None:
-    params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ValueError(f"rope scaling {rope_type!r} is not supported yet")
+    check_rope(config)
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"activation {config.hidden_act!r} is not supported (Qwen3.5 uses silu)")
     unknown = set(config.layer_types) - {"linear_attention", "full_attention"}

@@ -5,12 +5,13 @@ reference, since both round the same float32 value and only its last float bits 
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from replicas.cpu_isa import cpu_isa
 from replicas.kernels import fused_cpu
 from replicas.kernels.fused_cpu.naive import (naive_add_rms_norm, naive_rms_norm, naive_rotary_embedding,
                                              naive_silu_and_mul)
-from replicas.models.layers import RotaryEmbedding
+from replicas.models.rope import rope_tables
 
 pytestmark = pytest.mark.skipif(fused_cpu.fused_ops() is None,
                                 reason=f"native ops not built here (ISA {cpu_isa()}, or no compiler / ninja)")
@@ -55,13 +56,14 @@ def test_rotary_embedding_in_place_on_a_strided_view(head_dim, dtype):
     """q and k as a view into the qkv projection's output ([T, (H + 2 Hkv) D]), as LlamaAttention rotates them."""
     torch.manual_seed(head_dim)
     tokens, heads, kv_heads = 11, 9, 3
-    rotary = RotaryEmbedding(head_dim, 4096, 10000.0)
+    config = LlamaConfig(hidden_size=head_dim * heads, num_attention_heads=heads, head_dim=head_dim)
+    cos, sin = rope_tables(config, 4096)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
     positions = torch.randint(0, 4096, (tokens,))
     width = (heads + kv_heads) * head_dim
-    expected = naive_rotary_embedding(qkv[:, :width].view(tokens, -1, head_dim), positions, rotary.cos, rotary.sin)
+    expected = naive_rotary_embedding(qkv[:, :width].view(tokens, -1, head_dim), positions, cos, sin)
     v_before = qkv[:, width:].clone()
-    fused_cpu.rotary_embedding_(qkv[:, :width].view(tokens, -1, head_dim), positions, rotary.cos, rotary.sin)
+    fused_cpu.rotary_embedding_(qkv[:, :width].view(tokens, -1, head_dim), positions, cos, sin)
     assert_close(qkv[:, :width].view(tokens, -1, head_dim), expected)
     assert torch.equal(qkv[:, width:], v_before)  # v untouched
 

@@ -4,7 +4,8 @@
   the step's whole varlen batch, straight from the block tables (the batch has no `groups`);
 - CUDA with triton importable: the decode group through the Triton block-table kernel (triton_decode.py), the
   cache writes through triton_store.py, prefill chunks on PyTorch SDPA over gathered keys (naive.py);
-- otherwise the PyTorch reference (naive.py) over the batch's padded groups.
+- otherwise the PyTorch reference (naive.py) over the batch's padded groups; a sliding window or a soft-cap
+  there runs the varlen reference (naive_varlen_attention), which has both.
 
     paged_attention(q, k_cache, v_cache, batch, scale, sliding_window=0, softcap=0.0) -> out   q, out: [T, H, D]
     store_kvcache(k, v, k_cache, v_cache, slot_mapping, native=False)                         k, v: [T, Hkv, D]
@@ -54,8 +55,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if batch.groups is None:
         return cpu_paged_attention(q.contiguous(), k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                                    batch.block_table, scale, sliding_window, softcap)
-    if sliding_window or softcap:
-        raise NotImplementedError("sliding window / soft-cap attention runs on the native CPU op only")
+    if sliding_window or softcap:  # the reference: correct on any device, a loop over sequences
+        return naive_varlen_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+                                      scale, sliding_window, softcap)
     if not use_triton(q):
         return naive_paged_attention(q, k_cache, v_cache, batch.groups, scale)
     paged_decode_attention = _triton_ops()[0]

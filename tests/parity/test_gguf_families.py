@@ -1,0 +1,196 @@
+"""Tiny GGUF files of each supported architecture, in every supported tensor type (tests/tiny_gguf.py).
+
+1. Each file, converted by prepare_model and loaded by our loader (load_model, float32, CPU), gives logits
+   within 1e-4 of transformers' model holding the dequantized weights of the same bytes: llama's Q/K rows
+   un-permuted by the test's own inverse of llama.cpp's permutation, qwen's as written; one llama file
+   carries llama3 rope scaling baked into `rope_freqs`, as llama.cpp writes it.
+2. The config, tokenizer files and generation config carry the architecture, head_dim, tied head, rope,
+   special ids and chat template; qwen files get transformers' qwen2 split (`tokenizer.ggml.pre`).
+3. An unsupported tensor type or architecture is refused by name, before anything is written.
+4. llama3 rope_freqs: Meta's parameters and other ones are recovered exactly; arbitrary divisors refused;
+   linear / yarn scaling keys map to HF's, others are refused.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from replicas.config import EngineConfig
+from replicas.engine.engine import Engine
+from replicas.models.gguf import convert_gguf
+from replicas.models.gguf_rope import llama3_parameters, rope_parameters
+from replicas.models.prepare import prepare_model
+from tests.parity.test_llama_parity import our_logits
+from tests.tiny_gguf import ROPE_THETA, TINY, T, smollm2_tokenizer, write_tiny_gguf
+
+TOL = 1e-4
+# What a Q4_K_M file mixes, and the 32-block types with F16 / BF16 around them.
+K_QUANTS = dict(token_embd=T.Q4_K, output=T.Q6_K, attn_q=T.Q4_K, attn_k=T.Q4_K, attn_v=T.Q6_K,
+                attn_output=T.Q5_K, ffn_gate=T.Q4_K, ffn_up=T.Q5_K, ffn_down=T.Q6_K)
+LEGACY = dict(token_embd=T.Q8_0, output=T.F16, attn_q=T.Q4_0, attn_k=T.Q4_1, attn_v=T.Q5_0, attn_output=T.Q5_1,
+              ffn_gate=T.F16, ffn_up=T.BF16, ffn_down=T.Q8_0)
+MIXED = dict(token_embd=T.Q8_0, output=T.Q6_K, attn_q=T.Q4_K, attn_k=T.Q4_0, attn_v=T.Q4_1, attn_output=T.F16,
+             ffn_gate=T.Q5_K, ffn_up=T.BF16, ffn_down=T.Q5_0)
+MIXED_QWEN3 = dict(token_embd=T.Q6_K, attn_q=T.Q8_0, attn_k=T.Q4_K, attn_v=T.Q5_1, attn_output=T.Q5_K,
+                   ffn_gate=T.Q4_0, ffn_up=T.F16, ffn_down=T.Q6_K)
+LLAMA3_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+# case -> (arch, types, tied head, head_dim, llama3 rope parameters)
+CASES = {
+    "llama-kquants": ("llama", K_QUANTS, False, 64, None),
+    "llama-legacy-llama3rope": ("llama", LEGACY, True, 64, LLAMA3_ROPE),
+    "qwen2-mixed": ("qwen2", MIXED, False, 64, None),
+    "qwen3-mixed-headdim128": ("qwen3", MIXED_QWEN3, True, 128, None),
+}
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+PROMPT = [(17 * i + 5) % 49152 for i in range(37)]
+
+
+def llamacpp_rope_freqs(theta: float, head_dim: int, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_max_position_embeddings: int) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.generate_extra_tensors, as written there: [head_dim / 2] float32."""
+    old = original_max_position_embeddings
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high_freq_factor:
+            factors.append(1)
+        elif wavelen > old / low_freq_factor:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def reference_model(arch: str, tied: bool, head_dim: int, rope: dict | None, weights: dict[str, np.ndarray]):
+    """transformers' model of the tiny sizes, holding `weights` (the dequantized GGUF bytes)."""
+    import transformers
+
+    config_name, model_name = HF_CLASSES[arch]
+    sizes = {k: v for k, v in TINY.items() if k != "head_dim"}
+    rope_parameters = {"rope_type": "llama3" if rope else "default", "rope_theta": ROPE_THETA[arch], **(rope or {})}
+    config = getattr(transformers, config_name)(
+        **sizes, vocab_size=len(smollm2_tokenizer()["tokens"]), tie_word_embeddings=tied,
+        rope_parameters=rope_parameters, **({} if arch == "qwen2" else {"head_dim": head_dim}))
+    model = getattr(transformers, model_name)(config).eval()
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
+    assert not unexpected and set(missing) == ({"lm_head.weight"} if tied else set())
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    """(case name, converted directory, reference model)."""
+    arch, types, tied, head_dim, rope = CASES[request.param]
+    tmp = tmp_path_factory.mktemp(request.param)
+    rope_freqs = None if rope is None else llamacpp_rope_freqs(ROPE_THETA[arch], head_dim, **rope)
+    path = tmp / f"{request.param}.gguf"
+    weights = write_tiny_gguf(path, arch, types, seed=len(request.param), tied=tied, head_dim=head_dim,
+                              rope_freqs=rope_freqs)
+    model_dir = prepare_model(str(path), cache_dir=tmp / "cache", progress=False)
+    return request.param, model_dir, reference_model(arch, tied, head_dim, rope, weights)
+
+
+def test_logits_match_dequantized_reference(case):
+    _, model_dir, reference = case
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", pack_weights=False, native_kernels=False,
+                                 int4_decode=False, num_kv_blocks=16))  # load_model(dir, float32, cpu)
+    got = our_logits(engine, PROMPT)  # [T, vocab]
+    with torch.inference_mode():
+        expected = reference(torch.tensor([PROMPT])).logits[0]  # [T, vocab]
+    assert expected.abs().max() > 0.1  # not a degenerate model
+    assert (got - expected).abs().max().item() <= TOL
+
+
+def test_config_carries_architecture_and_rope(case):
+    name, model_dir, reference = case
+    arch, _, tied, head_dim, rope = CASES[name]
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == [HF_CLASSES[arch][1]]
+    assert config.get("head_dim", head_dim) == head_dim
+    assert config["tie_word_embeddings"] is tied
+    assert config["rope_parameters"] == reference.config.rope_parameters
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 2)
+
+
+def test_tokenizer_and_generation_config(case):
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    name, model_dir, _ = case
+    tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert tok_config["chat_template"] == smollm2_tokenizer()["chat_template"]
+    assert (tok_config["bos_token"], tok_config["eos_token"], tok_config["pad_token"]) == \
+           ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (1, 2, 2)
+    split = json.loads((model_dir / "tokenizer.json").read_text())["pre_tokenizer"]
+    splits = [p["pattern"]["Regex"] for p in split.get("pretokenizers", []) if p["type"] == "Split"]
+    assert splits == ([PRETOKENIZE_REGEX] if CASES[name][0] != "llama" else [])
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi 12345!"}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids[0] == 1 and ids.count(2) == 2 and tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.IQ2_XS], ids=lambda q: q.name)
+def test_unsupported_tensor_type_is_refused(tmp_path, qtype):
+    write_tiny_gguf(tmp_path / "x.gguf", "llama", dict(ffn_up=qtype), vocab_size=256)
+    with pytest.raises(ValueError, match=rf"tensor blk\.0\.ffn_up\.weight has type {qtype.name}; supported: F32, "):
+        convert_gguf(tmp_path / "x.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    write_tiny_gguf(tmp_path / "x.gguf", "llama", {}, gguf_arch="gemma2", vocab_size=256)
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma2'; supported: \['llama', 'qwen2', "
+                                         r"'qwen3'\]"):
+        prepare_model(str(tmp_path / "x.gguf"), cache_dir=tmp_path / "cache", progress=False)
+    assert [p for p in (tmp_path / "cache" / "models").iterdir() if p.suffix != ".lock"] == []
+
+
+def test_llama3_rope_freqs_recovered_exactly():
+    freqs = llamacpp_rope_freqs(500000.0, 128, **LLAMA3_ROPE)  # Llama 3.1 8B's
+    assert llama3_parameters(freqs, 500000.0, 128) == {"rope_type": "llama3", **LLAMA3_ROPE}
+
+
+def test_llama3_rope_freqs_with_another_band_recovered():
+    params = dict(factor=4.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=8192)
+    got = llama3_parameters(llamacpp_rope_freqs(500000.0, 128, **params), 500000.0, 128)
+    assert got.keys() == {"rope_type", *params}
+    assert got["rope_type"] == "llama3" and got["original_max_position_embeddings"] == 8192
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        assert got[key] == params[key], key
+
+
+def test_arbitrary_rope_freqs_are_refused():
+    freqs = np.linspace(1.0, 3.0, 64, dtype=np.float32) ** 2
+    with pytest.raises(ValueError, match="recovered exactly; refusing"):
+        llama3_parameters(freqs, 500000.0, 128)
+
+
+
+@pytest.mark.parametrize("keys, expected", [
+    ({}, {"rope_type": "default"}),
+    ({"type": "linear", "factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    ({"type": "yarn", "factor": 4.0, "original_context_length": 32768, "yarn_beta_fast": 32.0},
+     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "beta_fast": 32.0}),
+    ({"type": "longrope"}, ValueError),
+    ({"type": "yarn", "factor": 4.0, "original_context_length": 32768, "yarn_ext_factor": 0.5}, ValueError),
+], ids=["none", "linear", "yarn", "longrope", "yarn-ext-factor"])
+def test_rope_scaling_keys(keys, expected):
+    metadata = {f"qwen2.rope.scaling.{k}": v for k, v in keys.items()} | {"qwen2.rope.freq_base": 1e6}
+    field = lambda key, default=None: metadata.get(key, default)  # noqa: E731
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="rope"):
+            rope_parameters(field, "qwen2", 64, None)
+    else:
+        assert rope_parameters(field, "qwen2", 64, None) == {"rope_theta": 1e6, **expected}
+
+if __name__ == "__main__": import sys, pytest; sys.exit(pytest.main([__file__, "-q"]))
