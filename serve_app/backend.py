@@ -10,6 +10,8 @@ from typing import AsyncIterator
 
 from replicas.messages import GenerateDelta, GenerateRequest, RequestError
 
+DEPLOYMENT_FAILED = "the model deployment failed to start; `serve status` shows why"
+
 
 class LocalBackend:
     def __init__(self, replica):
@@ -37,18 +39,26 @@ class HandleBackend:
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
-        response = self.handle.options(stream=True).generate.remote(request)
-        try:
+        response = None
+        try:  # .remote() itself raises DeploymentUnavailableError once the deployment is known to have failed
+            response = self.handle.options(stream=True).generate.remote(request)
             async for delta in response:
                 yield delta
         except BackPressureError as exc:
             raise RequestError("all model replicas are busy; retry shortly", status_code=503,
                                type="server_overloaded") from exc
-        except (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError) as exc:
+        except DeploymentUnavailableError as exc:
+            raise RequestError(f"no model replica can serve: {DEPLOYMENT_FAILED}", status_code=503,
+                               type="server_unavailable") from exc
+        except (RayActorError, ReplicaUnavailableError) as exc:
             raise RequestError("the model replica serving this request went away; retry the request",
                                status_code=503, type="server_unavailable") from exc
         finally:
-            response.cancel()
+            if response is not None:
+                try:
+                    response.cancel()
+                except DeploymentUnavailableError:  # nothing to cancel; keep the 503 above in OpenAI's shape
+                    pass
 
     async def model_info(self) -> dict:
         return await self.handle.model_info.remote()

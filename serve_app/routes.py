@@ -15,6 +15,7 @@ from cache_router.hashing import route_key
 from replicas.config import read_max_position_embeddings
 from replicas.messages import GenerateRequest, RequestError, as_request_error
 from replicas.models.prepare import prepare_model
+from serve_app.backend import DEPLOYMENT_FAILED
 from serve_app.config import AppConfig
 from serve_app.fanout import REPLICA_HEADER, FanOut
 from serve_app.metrics import IngressMetrics, install_metrics
@@ -75,8 +76,9 @@ class OpenAIServer:
         """Once: take the replicas' context length, which their KV pool may cap below the model's."""
         if self._asked_replicas:
             return
-        try:
-            info = await self.backend.model_info()
+        try:  # bounded: a call to a deployment with no replica up waits until one is (Serve fails it only once
+            # the controller has marked the deployment failed), and this request must not wait on it
+            info = await asyncio.wait_for(self.backend.model_info(), self.config.ingress.health_timeout_s)
         except Exception:  # replicas not up yet: keep the static limit, ask again next time
             return
         self.max_model_len = min(self.max_model_len, info["max_model_len"])
@@ -262,6 +264,6 @@ def _reason(exc: BaseException) -> str:
     from ray.serve.exceptions import DeploymentUnavailableError
 
     if isinstance(exc, DeploymentUnavailableError):  # its text is only the deployment's name
-        return "the model deployment failed to start; `serve status` shows why"
+        return DEPLOYMENT_FAILED
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else type(exc).__name__

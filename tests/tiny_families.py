@@ -83,6 +83,7 @@ def make_tiny_family(family: str, out_dir: Path, base_tokenizer_dir: Path, seed:
     model = getattr(transformers, FAMILIES[family][1])(config).float()
     _decisive(model)
     model.save_pretrained(str(out_dir))
+    _stop_tokens(FAMILIES[family][3], tokenizer, out_dir)
     return out_dir
 
 
@@ -107,7 +108,20 @@ def make_tiny_gemma3_multimodal(out_dir: Path, base_tokenizer_dir: Path, seed: i
     model = Gemma3ForConditionalGeneration(config).float()
     _decisive(model)
     model.save_pretrained(str(out_dir))
+    _stop_tokens("gemma3", tokenizer, out_dir)
     return out_dir
+
+
+def _stop_tokens(tokenizer_family: str, tokenizer, out_dir: Path) -> None:
+    """generation_config.json lists every stop token, as the released checkpoints do (Llama 3.x's <|eot_id|>,
+    <|end_of_text|>, <|eom_id|>; Gemma 3's <end_of_turn> and <eos>)."""
+    from transformers import GenerationConfig
+
+    from tests.family_tokenizers import FAMILY_TOKENS
+
+    names = [FAMILY_TOKENS[tokenizer_family]["eos"], *FAMILY_TOKENS[tokenizer_family]["other_eos"]]
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.convert_tokens_to_ids(names),
+                     pad_token_id=tokenizer.pad_token_id).save_pretrained(str(out_dir))
 
 
 def _decisive(model: torch.nn.Module) -> None:

@@ -49,7 +49,7 @@ class Engine:
                                                      int4_decode=config.int4_decode,
                                                      native=config.native_kernels)
         self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config, config.model)
         self.token_texts = TokenTexts(self.tokenizer)
         self.reasoning_end_id = reasoning_end_token_id(self.tokenizer)
         kv_caches, num_blocks = self._allocate_kv_caches()

@@ -2,9 +2,11 @@
 
 The engine loads one format: a Hugging Face style directory (config.json,
 model.safetensors, tokenizer files). A GGUF file is converted once into that
-format, float32 and dequantized, with llama.cpp's Q/K row permutation undone
-where it applied one (architecture "llama") so the weights follow HF's rotary
-convention (halves, not interleaved pairs).
+format, float32 and dequantized, with what llama.cpp's converter changed
+undone (gguf_families.py): the Q/K row permutation of architecture "llama"
+(so the weights follow HF's rotary convention: halves, not interleaved pairs),
+the +1 on Gemma's norm weights; stacked experts split into the hub's
+per-expert tensors.
 
 We read the GGUF with the `gguf` package rather than transformers' loader:
 the tensors come out one at a time (a progress bar per tensor), and nothing is
@@ -25,7 +27,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-from replicas.models.gguf_families import OPTIONAL_TENSORS, ROPE_FREQS, Family, family_of, hf_names, read_config
+from replicas.models.gguf_config import read_config
+from replicas.models.gguf_families import OPTIONAL_TENSORS, Family, family_of, hf_names
 
 # What llama.cpp's Q4_K_M / Q5_K_M / Q6_K / Q8_0 / F16 files hold. Q5_0 / Q5_1 are in there too:
 # llama.cpp falls back to them from Q4_K / Q5_K for rows that are not whole 256-wide super-blocks
@@ -71,7 +74,7 @@ def field(reader: GGUFReader, key: str, default=None):
 def check_tensors(family: Family, tensors: dict, num_layers: int) -> None:
     """Every tensor known to the family and of a supported type, and none missing; so a bad file
     fails in milliseconds rather than after minutes of dequantizing."""
-    names = set(hf_names(family, num_layers)) | ({ROPE_FREQS} if family.has_rope_freqs else set())
+    names = set(hf_names(family, num_layers)) | set(family.config_tensors)
     for name, t in tensors.items():
         if name not in names:
             raise ValueError(f"unknown GGUF tensor {name!r} for a {family.hf_architecture}")
@@ -84,21 +87,35 @@ def check_tensors(family: Family, tensors: dict, num_layers: int) -> None:
 
 
 def read_tensors(reader: GGUFReader, family: Family, config, progress: bool) -> dict[str, torch.Tensor]:
-    """Every GGUF weight, dequantized to float32, under its HF name."""
+    """Every GGUF weight, dequantized to float32, under its HF name; a stacked expert tensor as one
+    tensor per expert, dequantized one expert at a time (a 30B MoE layer's stack is ~1 GB in float32)."""
     names = hf_names(family, config.num_hidden_layers)
     tensors = {}
     for t in tqdm(reader.tensors, desc="gguf -> safetensors", unit="tensor", disable=not progress):
-        if t.name == ROPE_FREQS:
+        if t.name in family.config_tensors:
             continue  # in config.json's rope_parameters by now
-        # weights: [rows, cols] in HF's (out_features, in_features) order
-        # copy: F32 tensors come back as read-only views of the memory-mapped file
-        weights = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if family.permutes_qk and ".attn_q." in t.name:
-            weights = unpermute(weights, config.num_attention_heads)
-        elif family.permutes_qk and ".attn_k." in t.name:
-            weights = unpermute(weights, config.num_key_value_heads)
-        tensors[names[t.name]] = torch.from_numpy(np.ascontiguousarray(weights))
+        if "{e}" in names[t.name]:
+            # t.data: [E, rows, packed row]
+            for e in range(t.data.shape[0]):
+                tensors[names[t.name].replace("{e}", str(e))] = read_weight(family, config, t.name, t.data[e],
+                                                                            t.tensor_type)
+        else:
+            tensors[names[t.name]] = read_weight(family, config, t.name, t.data, t.tensor_type)
     return tensors
+
+
+def read_weight(family: Family, config, name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """One GGUF tensor (or one expert's slice) as HF holds it: float32, llama.cpp's changes undone."""
+    # weights: [rows, cols] in HF's (out_features, in_features) order
+    # copy: F32 tensors come back as read-only views of the memory-mapped file
+    weights = np.array(dequantize(data, qtype), dtype=np.float32)
+    if family.permutes_qk and ".attn_q." in name:
+        weights = unpermute(weights, config.num_attention_heads)
+    elif family.permutes_qk and ".attn_k." in name:
+        weights = unpermute(weights, config.num_key_value_heads)
+    if family.norm_shift and name.endswith("norm.weight"):
+        weights -= family.norm_shift
+    return torch.from_numpy(np.ascontiguousarray(weights))
 
 
 def unpermute(weights: np.ndarray, num_heads: int) -> np.ndarray:

@@ -1,37 +1,45 @@
-"""The GGUF architectures we convert: each one's HF class and config, tensor names, Q/K layout.
+"""The GGUF architectures we convert: each one's HF class, tensor names, and what llama.cpp changed in them.
 
-llama.cpp names a decoder's tensors alike for every architecture (blk.N.attn_q.weight, ...). What
-differs is the extra tensors (Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorms), the HF class,
-and the Q/K row order. llama.cpp's LlamaModel.permute regroups each head's Q/K rows into
-interleaved pairs for its "normal" rope kernel, and only LlamaModel does it (`undo_permute = True`;
-GGUF architecture "llama": Llama 2/3, SmolLM, and Mistral, which llama.cpp converts as llama).
-Qwen2Model / Qwen3Model derive from TextModel and keep HF's row order; llama.cpp runs them with its
-NEOX (halves) rope kernel, which is HF's convention already.
+llama.cpp names a decoder's tensors alike for every architecture (blk.N.attn_q.weight, ...; gguf-py's
+constants.py TENSOR_NAMES). What differs per architecture, as convert_hf_to_gguf.py writes it:
+- the extra tensors: Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q/k RMSNorms, Gemma 3's
+  post-attention / post-FFN norms, Phi-3's fused attn_qkv and gate|up ffn_up (HF's own fused layout, kept
+  whole: `self_attn.qkv_proj`, `mlp.gate_up_proj`), Qwen3-MoE's router and stacked experts
+  (`ffn_*_exps` [E, rows, cols], written here as the hub's per-expert names);
+- the Q/K row order. LlamaModel.permute regroups each head's Q/K rows into interleaved pairs for llama.cpp's
+  "normal" rope kernel, and only LlamaModel does it (`undo_permute = True`; GGUF architecture "llama": Llama
+  2/3, SmolLM, and Mistral, which llama.cpp converts as llama). The others derive from TextModel, keep HF's
+  row order, and run with the NEOX (halves) kernel, which is HF's convention already;
+- Gemma 3's norms: Gemma3Model.modify_tensors adds 1 to every tensor whose HF name ends in "norm.weight"
+  (the layer norms, q/k norms and the final norm: llama.cpp multiplies by the weight, HF by 1 + weight);
+- tensors that are config, not weights: Llama 3's rope_freqs, Phi-3's LongRoPE factors (gguf_rope.py).
 """
 
 from dataclasses import dataclass
 
-import torch
-from gguf.quants import dequantize
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import Gemma3TextConfig, LlamaConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import Qwen3MoeConfig
 
-from replicas.models.gguf_rope import rope_parameters
-
-# GGUF tensor name -> HF checkpoint name. "{i}" is the layer index.
-DECODER_TENSORS = {
+# GGUF tensor name -> HF checkpoint name. "{i}" is the layer index, "{e}" the expert's (a stacked tensor).
+HEAD = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+}
+ATTENTION = {
     "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+}
+MLP = {
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
+DECODER_TENSORS = {**HEAD, **ATTENTION, **MLP}
 QKV_BIASES = {
     "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
@@ -41,8 +49,24 @@ QK_NORMS = {
     "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
     "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
 }
+GEMMA3_NORMS = {  # llama.cpp's FFN_PRE_NORM is named ffn_norm, as other families' post-attention norm
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+PHI3_FUSED = {  # attn_qkv rows: [q | k | v]; ffn_up rows: [gate | up] (ggml_swiglu gates with the first half)
+    "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight",
+}
+EXPERTS = {  # stacked: [E, I, H] for gate / up, [E, H, I] for down; the router [E, H]
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
+    "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+}
 OPTIONAL_TENSORS = ("output.weight",)  # absent: the head is tied to the embedding
-ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, baked (gguf_rope.py); not a weight
+ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, baked (gguf_rope.py)
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE (gguf_rope.py)
 
 
 @dataclass(frozen=True)
@@ -52,16 +76,28 @@ class Family:
     tensor_names: dict[str, str]
     permutes_qk: bool  # Q/K rows in llama.cpp's interleaved-pair order (undone in gguf.py)
     has_head_dim: bool  # the config takes head_dim; else it must be hidden_size / num_attention_heads
-    has_rope_freqs: bool = False  # may carry rope_freqs.weight (llama.cpp's LlamaModel writes it for llama3 rope)
+    config_tensors: tuple[str, ...] = ()  # may be present; read into config.json (rope), not weights
+    norm_shift: float = 0.0  # llama.cpp added this to every *norm.weight (Gemma: HF's 1 + weight)
 
 
 FAMILIES = {
     "llama": Family("LlamaForCausalLM", LlamaConfig, DECODER_TENSORS, permutes_qk=True, has_head_dim=True,
-                    has_rope_freqs=True),
+                    config_tensors=(ROPE_FREQS,)),
     "qwen2": Family("Qwen2ForCausalLM", Qwen2Config, {**DECODER_TENSORS, **QKV_BIASES}, permutes_qk=False,
                     has_head_dim=False),
     "qwen3": Family("Qwen3ForCausalLM", Qwen3Config, {**DECODER_TENSORS, **QK_NORMS}, permutes_qk=False,
                     has_head_dim=True),
+    "qwen3moe": Family("Qwen3MoeForCausalLM", Qwen3MoeConfig,
+                       {**HEAD, **ATTENTION, **QK_NORMS, "blk.{i}.ffn_norm.weight": MLP["blk.{i}.ffn_norm.weight"],
+                        **EXPERTS}, permutes_qk=False, has_head_dim=True),
+    "gemma3": Family("Gemma3ForCausalLM", Gemma3TextConfig, {**DECODER_TENSORS, **QK_NORMS, **GEMMA3_NORMS},
+                     permutes_qk=False, has_head_dim=True, norm_shift=1.0),
+    "phi3": Family("Phi3ForCausalLM", Phi3Config,
+                   {**HEAD, "blk.{i}.attn_norm.weight": ATTENTION["blk.{i}.attn_norm.weight"],
+                    "blk.{i}.attn_output.weight": ATTENTION["blk.{i}.attn_output.weight"],
+                    "blk.{i}.ffn_norm.weight": MLP["blk.{i}.ffn_norm.weight"],
+                    "blk.{i}.ffn_down.weight": MLP["blk.{i}.ffn_down.weight"], **PHI3_FUSED},
+                   permutes_qk=False, has_head_dim=False, config_tensors=ROPE_FACTORS),
 }
 
 
@@ -71,50 +107,15 @@ def family_of(arch: str | None) -> Family:
     return FAMILIES[arch]
 
 
+def has_experts(family: Family) -> bool:
+    return any("{e}" in name for name in family.tensor_names.values())
+
+
 def hf_names(family: Family, num_layers: int) -> dict[str, str]:
-    """The family's tensor names with the layer index filled in for every layer."""
+    """The family's tensor names with the layer index filled in for every layer ("{e}" is left for
+    gguf.py to fill per expert)."""
     names = {}
     for gguf_name, hf_name in family.tensor_names.items():
         for i in range(num_layers) if "{i}" in gguf_name else [None]:
-            names[gguf_name.format(i=i)] = hf_name.format(i=i)
+            names[gguf_name.replace("{i}", str(i))] = hf_name.replace("{i}", str(i))
     return names
-
-
-def read_config(field, arch: str, tensors: dict) -> PretrainedConfig:
-    """A float32 HF config from the GGUF metadata (`field(key, default)` reads one key) and its
-    tensors (name -> ReaderTensor: the vocabulary, a tied head, llama3 rope). Raises ValueError for
-    what the HF class cannot express."""
-    family = family_of(arch)
-    if field(f"{arch}.expert_count", 0):
-        raise ValueError(f"mixture-of-experts GGUFs ({arch}.expert_count) are not supported")
-    hidden_size = field(f"{arch}.embedding_length")
-    num_heads = field(f"{arch}.attention.head_count")
-    head_dim = field(f"{arch}.attention.key_length", hidden_size // num_heads)
-    if field(f"{arch}.attention.value_length", head_dim) != head_dim:
-        raise ValueError("GGUF attention.value_length differs from key_length; not supported")
-    if field(f"{arch}.rope.dimension_count", head_dim) != head_dim:
-        raise ValueError("GGUF rope.dimension_count differs from the head size (partial rotary); not supported")
-    if not family.has_head_dim and head_dim != hidden_size // num_heads:
-        raise ValueError(f"{family.hf_architecture} needs head_dim == hidden_size / num_heads; GGUF has {head_dim}")
-    rope_freqs = tensors.get(ROPE_FREQS)
-    rope_freqs = None if rope_freqs is None else dequantize(rope_freqs.data, rope_freqs.tensor_type)
-    config = dict(
-        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are [cols, rows]
-        hidden_size=hidden_size,
-        intermediate_size=field(f"{arch}.feed_forward_length"),
-        num_hidden_layers=field(f"{arch}.block_count"),
-        num_attention_heads=num_heads,
-        num_key_value_heads=field(f"{arch}.attention.head_count_kv", num_heads),
-        max_position_embeddings=field(f"{arch}.context_length"),
-        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_parameters=rope_parameters(field, arch, head_dim, rope_freqs),
-        bos_token_id=field("tokenizer.ggml.bos_token_id"),
-        eos_token_id=field("tokenizer.ggml.eos_token_id"),
-        pad_token_id=field("tokenizer.ggml.padding_token_id"),
-        tie_word_embeddings="output.weight" not in tensors,
-        architectures=[family.hf_architecture],
-        dtype=torch.float32,
-    )
-    if family.has_head_dim:
-        config["head_dim"] = head_dim
-    return family.config_class(**config)

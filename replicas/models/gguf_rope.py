@@ -14,6 +14,10 @@ with factor / low / high from rope_scaling and `old` read from the *top level* o
 llama.cpp always used 8192). The divisors depend on (old, low, high) only through old/low and
 old/high, so we recover one triple that regenerates the tensor, and refuse the file when none does:
 serving it with a guessed rope would be silently wrong.
+
+Phi-3's LongRoPE is tensors too (Phi3MiniModel.generate_extra_tensors): `rope_factors_long.weight` /
+`rope_factors_short.weight`, one divisor per rotary frequency, HF's long_factor / short_factor as float32,
+beside `rope.scaling.original_context_length` and `rope.scaling.attn_factor`; no `rope.scaling.type`.
 """
 
 import math
@@ -111,3 +115,33 @@ def llama3_rope_freqs(theta: float, head_dim: int, factor: float, low: float, hi
     divisors = torch.where(wavelen > old / low, torch.tensor(factor, dtype=torch.float32), divisors)
     divisors = torch.where(wavelen < old / high, torch.tensor(1.0), divisors)
     return divisors.numpy()
+
+
+def longrope_parameters(field, arch: str, head_dim: int, rotary_dim: int, long: np.ndarray | None,
+                        short: np.ndarray | None, context: int, original: int) -> dict:
+    """Phi-3's rope_parameters: partial rotary (`rotary_dim` of `head_dim`), and LongRoPE where the file has
+    the factor tensors (`long`, `short`: [rotary_dim / 2] float32).
+
+    llama.cpp writes attn_factor = sqrt(1 + ln(s) / ln(original)) for s = context / original > 1, else 1:
+    what HF computes when attention_factor is absent, so it is kept only when the file's differs."""
+    theta = float(field(f"{arch}.rope.freq_base", 10000.0))
+    kind = field(f"{arch}.rope.scaling.type", "none")
+    if kind not in ("none", "longrope"):
+        raise ValueError(f"GGUF phi3 rope scaling {kind!r} is not supported; supported: none, longrope")
+    partial = rotary_dim / head_dim
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim or int(head_dim * partial) != rotary_dim:
+        raise ValueError(f"GGUF rope.dimension_count {rotary_dim} does not fit the head size {head_dim}")
+    params = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial}
+    if long is None and short is None:
+        return params
+    if long is None or short is None or long.shape != (rotary_dim // 2,) or short.shape != (rotary_dim // 2,):
+        raise ValueError(f"GGUF LongRoPE needs both rope_factors_long and rope_factors_short of {rotary_dim // 2} "
+                         "entries (rope.dimension_count / 2)")
+    params.update(rope_type="longrope", long_factor=long.tolist(), short_factor=short.tolist(),
+                  original_max_position_embeddings=int(original))
+    scale = context / original
+    default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    attn_factor = field(f"{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None and not math.isclose(attn_factor, default, rel_tol=RTOL):  # stored as float32
+        params["attention_factor"] = float(attn_factor)
+    return params

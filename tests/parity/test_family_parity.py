@@ -106,6 +106,17 @@ def test_greedy_matches_transformers_batched_chunked_and_cached(family_dir, requ
         assert alone == batched
 
 
+@pytest.mark.parametrize("family_dir", ["llama3", "gemma3"], indirect=True)
+def test_every_stop_token_of_generation_config_ends_a_turn(family_dir, request):
+    from tests.family_tokenizers import FAMILY_TOKENS
+
+    engine = Engine(EngineConfig(model=str(family_dir), dtype="float32", num_kv_blocks=16))
+    family = request.node.callspec.params["family_dir"]
+    names = [FAMILY_TOKENS[family]["eos"], *FAMILY_TOKENS[family]["other_eos"]]
+    assert len(names) >= 2
+    assert set(engine.tokenizer.convert_tokens_to_ids(names)) <= engine.eos_token_ids
+
+
 def test_the_loader_builds_every_architecture_the_refusal_names():
     from replicas.models.architectures import SUPPORTED
     from replicas.models.loader import ARCHITECTURES

@@ -1,18 +1,26 @@
 """Tiny GGUF files of each supported architecture, in every supported tensor type (tests/tiny_gguf.py).
 
 1. Each file, converted by prepare_model and loaded by our loader (load_model, float32, CPU), gives logits
-   within 1e-4 of transformers' model holding the dequantized weights of the same bytes: llama's Q/K rows
-   un-permuted by the test's own inverse of llama.cpp's permutation, qwen's as written; one llama file
-   carries llama3 rope scaling baked into `rope_freqs`, as llama.cpp writes it.
+   within 1e-4 of transformers' model holding the dequantized weights of the same bytes, with llama.cpp's
+   changes undone by the test's own code: llama's Q/K rows un-permuted, gemma3's norms less 1, qwen3moe's
+   stacked experts fused as transformers holds them. One llama file carries llama3 rope scaling baked into
+   `rope_freqs`; gemma3 has 5 sliding layers around a global one with linear rope scaling, and a key_length
+   that is not hidden / heads; phi3 has fused q|k|v and gate|up, partial rotary, LongRoPE factor tensors and
+   a window; qwen3moe K-quant expert stacks.
 2. The config, tokenizer files and generation config carry the architecture, head_dim, tied head, rope,
-   special ids and chat template; qwen files get transformers' qwen2 split (`tokenizer.ggml.pre`).
+   special ids and chat template, and each family's own keys (layer types, experts, windows); qwen files get
+   transformers' qwen2 split (`tokenizer.ggml.pre`).
 3. An unsupported tensor type or architecture is refused by name, before anything is written.
 4. llama3 rope_freqs: Meta's parameters and other ones are recovered exactly; arbitrary divisors refused;
    linear / yarn scaling keys map to HF's, others are refused.
+5. Metadata alone (read_config): gemma3's sliding pattern as a count or per layer, its local rope base and the
+   27B's attention scale; phi3's non-default attention factor, incomplete LongRoPE refused; qwen3moe's expert
+   sizes; experts in a dense architecture refused.
 """
 
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,10 +29,11 @@ import torch
 from replicas.config import EngineConfig
 from replicas.engine.engine import Engine
 from replicas.models.gguf import convert_gguf
+from replicas.models.gguf_config import read_config
 from replicas.models.gguf_rope import llama3_parameters, rope_parameters
 from replicas.models.prepare import prepare_model
 from tests.parity.test_llama_parity import our_logits
-from tests.tiny_gguf import ROPE_THETA, TINY, T, smollm2_tokenizer, write_tiny_gguf
+from tests.tiny_gguf import GEMMA3, PHI3, QWEN3MOE, ROPE_THETA, T, sizes, smollm2_tokenizer, write_tiny_gguf
 
 TOL = 1e-4
 # What a Q4_K_M file mixes, and the 32-block types with F16 / BF16 around them.
@@ -36,6 +45,13 @@ MIXED = dict(token_embd=T.Q8_0, output=T.Q6_K, attn_q=T.Q4_K, attn_k=T.Q4_0, att
              ffn_gate=T.Q5_K, ffn_up=T.BF16, ffn_down=T.Q5_0)
 MIXED_QWEN3 = dict(token_embd=T.Q6_K, attn_q=T.Q8_0, attn_k=T.Q4_K, attn_v=T.Q5_1, attn_output=T.Q5_K,
                    ffn_gate=T.Q4_0, ffn_up=T.F16, ffn_down=T.Q6_K)
+# K-quant rows of 512 (gemma3's 4 heads of 128), expert stacks in K-quants (dequantized one expert at a time)
+MIXED_GEMMA3 = dict(token_embd=T.Q8_0, attn_q=T.Q4_K, attn_k=T.Q8_0, attn_v=T.Q6_K, attn_output=T.Q5_K,
+                    ffn_gate=T.Q4_0, ffn_up=T.F16, ffn_down=T.Q6_K)
+MIXED_PHI3 = dict(token_embd=T.Q8_0, output=T.Q6_K, attn_qkv=T.Q4_K, attn_output=T.Q5_1, ffn_up=T.Q5_K,
+                  ffn_down=T.Q8_0)
+MIXED_QWEN3MOE = dict(token_embd=T.Q6_K, output=T.Q8_0, attn_q=T.Q8_0, attn_k=T.Q4_K, attn_v=T.Q5_0,
+                      attn_output=T.Q6_K, ffn_gate_exps=T.Q4_K, ffn_up_exps=T.Q5_K, ffn_down_exps=T.Q8_0)
 LLAMA3_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 # case -> (arch, types, tied head, head_dim, llama3 rope parameters)
 CASES = {
@@ -43,9 +59,19 @@ CASES = {
     "llama-legacy-llama3rope": ("llama", LEGACY, True, 64, LLAMA3_ROPE),
     "qwen2-mixed": ("qwen2", MIXED, False, 64, None),
     "qwen3-mixed-headdim128": ("qwen3", MIXED_QWEN3, True, 128, None),
+    "gemma3-mixed-headdim128": ("gemma3", MIXED_GEMMA3, True, 128, None),
+    "phi3-longrope-partial": ("phi3", MIXED_PHI3, False, 64, None),
+    "qwen3moe-mixed": ("qwen3moe", MIXED_QWEN3MOE, False, 64, None),
 }
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+              "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+# Config keys of each family's own, compared with the reference's
+FAMILY_KEYS = {"gemma3": ("layer_types", "sliding_window", "query_pre_attn_scalar", "hidden_activation",
+                          "final_logit_softcapping"),
+               "phi3": ("sliding_window", "original_max_position_embeddings"),
+               "qwen3moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                            "decoder_sparse_step", "mlp_only_layers")}
 PROMPT = [(17 * i + 5) % 49152 for i in range(37)]
 
 
@@ -67,16 +93,37 @@ def llamacpp_rope_freqs(theta: float, head_dim: int, factor: float, low_freq_fac
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
+def family_settings(arch: str, head_dim: int, rope: dict | None) -> dict:
+    """The HF config keys of the tiny model, from tests/tiny_gguf.py's HF-side values."""
+    if arch == "gemma3":
+        num_layers = GEMMA3["num_hidden_layers"]
+        return dict(head_dim=head_dim, sliding_window=GEMMA3["sliding_window"], query_pre_attn_scalar=head_dim,
+                    layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+                    rope_parameters={"full_attention": dict(rope_type="linear", factor=GEMMA3["rope_scaling_factor"],
+                                                            rope_theta=ROPE_THETA[arch]),
+                                     "sliding_attention": dict(rope_type="default",
+                                                               rope_theta=GEMMA3["local_rope_theta"])},
+                    hidden_activation="gelu_pytorch_tanh")
+    if arch == "phi3":
+        longrope = {k: PHI3[k] for k in ("partial_rotary_factor", "original_max_position_embeddings", "short_factor",
+                                          "long_factor")}
+        return dict(sliding_window=PHI3["sliding_window"], rope_parameters=dict(
+            rope_type="longrope", rope_theta=ROPE_THETA[arch], **longrope),
+            original_max_position_embeddings=PHI3["original_max_position_embeddings"])
+    settings = dict(rope_parameters={"rope_type": "llama3" if rope else "default", "rope_theta": ROPE_THETA[arch],
+                                     **(rope or {})}, **({} if arch == "qwen2" else {"head_dim": head_dim}))
+    return settings | (dict(QWEN3MOE, norm_topk_prob=True) if arch == "qwen3moe" else {})
+
+
 def reference_model(arch: str, tied: bool, head_dim: int, rope: dict | None, weights: dict[str, np.ndarray]):
     """transformers' model of the tiny sizes, holding `weights` (the dequantized GGUF bytes)."""
     import transformers
 
     config_name, model_name = HF_CLASSES[arch]
-    sizes = {k: v for k, v in TINY.items() if k != "head_dim"}
-    rope_parameters = {"rope_type": "llama3" if rope else "default", "rope_theta": ROPE_THETA[arch], **(rope or {})}
+    tiny = {k: v for k, v in sizes(arch, head_dim).items() if k != "head_dim"}
     config = getattr(transformers, config_name)(
-        **sizes, vocab_size=len(smollm2_tokenizer()["tokens"]), tie_word_embeddings=tied,
-        rope_parameters=rope_parameters, **({} if arch == "qwen2" else {"head_dim": head_dim}))
+        **tiny, vocab_size=len(smollm2_tokenizer()["tokens"]), tie_word_embeddings=tied, pad_token_id=2,
+        **family_settings(arch, head_dim, rope))
     model = getattr(transformers, model_name)(config).eval()
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
     assert not unexpected and set(missing) == ({"lm_head.weight"} if tied else set())
@@ -116,6 +163,8 @@ def test_config_carries_architecture_and_rope(case):
     assert config["tie_word_embeddings"] is tied
     assert config["rope_parameters"] == reference.config.rope_parameters
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 2)
+    for key in FAMILY_KEYS.get(arch, ()):
+        assert config[key] == getattr(reference.config, key), key
 
 
 def test_tokenizer_and_generation_config(case):
@@ -131,7 +180,7 @@ def test_tokenizer_and_generation_config(case):
     assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (1, 2, 2)
     split = json.loads((model_dir / "tokenizer.json").read_text())["pre_tokenizer"]
     splits = [p["pattern"]["Regex"] for p in split.get("pretokenizers", []) if p["type"] == "Split"]
-    assert splits == ([PRETOKENIZE_REGEX] if CASES[name][0] != "llama" else [])
+    assert splits == ([PRETOKENIZE_REGEX] if CASES[name][0].startswith("qwen") else [])
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi 12345!"}], tokenize=False,
                                          add_generation_prompt=True)
@@ -149,8 +198,8 @@ def test_unsupported_tensor_type_is_refused(tmp_path, qtype):
 
 def test_unsupported_architecture_is_refused(tmp_path):
     write_tiny_gguf(tmp_path / "x.gguf", "llama", {}, gguf_arch="gemma2", vocab_size=256)
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma2'; supported: \['llama', 'qwen2', "
-                                         r"'qwen3'\]"):
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma2'; supported: \['gemma3', 'llama', "
+                                         r"'phi3', 'qwen2', 'qwen3', 'qwen3moe'\]"):
         prepare_model(str(tmp_path / "x.gguf"), cache_dir=tmp_path / "cache", progress=False)
     assert [p for p in (tmp_path / "cache" / "models").iterdir() if p.suffix != ".lock"] == []
 

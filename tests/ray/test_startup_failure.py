@@ -32,7 +32,7 @@ def copy_model(src: Path, dst: Path, weights: bool = True, **config) -> Path:
 
 
 def app_args(model: Path) -> dict:
-    return {"model": str(model), "num_replicas": 2, "dtype": "float32", "replica_num_cpus": 0,
+    return {"model": str(model), "served_model_name": BROKEN, "num_replicas": 2, "dtype": "float32", "replica_num_cpus": 0,
             "engine": {"num_threads": 1}}
 
 
@@ -113,6 +113,17 @@ def test_health_is_503_when_no_replica_can_serve(serve_app, broken_app):
             break
     assert error["message"] == failed
     assert httpx.get(f"{serve_app}/health", timeout=30).status_code == 200  # the healthy app beside it
+
+
+def test_a_request_to_the_failed_deployment_gets_a_503_in_openai_shape(serve_app, broken_app):
+    """Once the ingress knows the deployment failed; a bounded wait (at most ingress.health_timeout_s for its
+    context-length sync) before it knows."""
+    body = {"model": BROKEN, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+    reply = httpx.post(f"{serve_app}/{BROKEN}/v1/chat/completions", json=body, timeout=30)
+    assert reply.status_code == 503, reply.text
+    assert reply.headers.get("content-type", "").startswith("application/json"), (reply.headers, reply.text)
+    error = reply.json()["error"]
+    assert error["type"] == "server_unavailable" and "failed to start" in error["message"]
 
 
 if __name__ == "__main__":
