@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from transformers import AutoConfig
 
 from replicas.config import EngineConfig
 from replicas.engine.engine import Engine
@@ -163,8 +164,9 @@ def test_config_carries_architecture_and_rope(case):
     assert config["tie_word_embeddings"] is tied
     assert config["rope_parameters"] == reference.config.rope_parameters
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 2)
+    loaded = AutoConfig.from_pretrained(str(model_dir))  # attribute names: Qwen3-MoE saves num_local_experts
     for key in FAMILY_KEYS.get(arch, ()):
-        assert config[key] == getattr(reference.config, key), key
+        assert getattr(loaded, key) == getattr(reference.config, key), key
 
 
 def test_tokenizer_and_generation_config(case):
