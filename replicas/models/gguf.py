@@ -11,10 +11,9 @@ per-expert tensors.
 We read the GGUF with the `gguf` package rather than transformers' loader:
 the tensors come out one at a time (a progress bar per tensor), and nothing is
 held packed. The tokenizer still goes through transformers, which already
-knows how to build a fast BPE tokenizer from GGUF metadata.
+knows how to build a fast BPE tokenizer from GGUF metadata (gguf_tokenizer.py).
 """
 
-import json
 import os
 from functools import partial
 from pathlib import Path
@@ -25,10 +24,11 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
-from transformers import GenerationConfig, PreTrainedTokenizerFast
+from transformers import GenerationConfig
 
 from replicas.models.gguf_config import read_config
 from replicas.models.gguf_families import OPTIONAL_TENSORS, Family, family_of, hf_names
+from replicas.models.gguf_tokenizer import save_tokenizer
 
 # What llama.cpp's Q4_K_M / Q5_K_M / Q6_K / Q8_0 / F16 files hold. Q5_0 / Q5_1 are in there too:
 # llama.cpp falls back to them from Q4_K / Q5_K for rows that are not whole 256-wide super-blocks
@@ -144,30 +144,3 @@ def generation_config(reader: GGUFReader, config) -> GenerationConfig:
     if len(stops) > 1:
         generation.eos_token_id = stops
     return generation
-
-
-def save_tokenizer(gguf_path: Path, out_dir: Path, chat_template: str | None) -> None:
-    """Build the fast tokenizer from the GGUF metadata and save it to `out_dir`.
-
-    The generic class, not AutoTokenizer's pick: AutoTokenizer parses the whole GGUF once more (seconds,
-    for 100k-token vocabularies) only to choose a class (Qwen2Tokenizer, ...) that wraps the same
-    tokenizer.json; the generic one keeps exactly what transformers built from the GGUF."""
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    tokenizer.save_pretrained(out_dir)
-    patch_tokenizer_config(out_dir / "tokenizer_config.json", chat_template)
-
-
-# Loader arguments that transformers echoes into tokenizer_config.json.
-LOADER_KEYS = ("is_local", "local_files_only", "gguf_file")
-
-
-def patch_tokenizer_config(path: Path, chat_template: str | None) -> None:
-    """Keep the chat template inline in tokenizer_config.json; drop echoed loader arguments."""
-    config = json.loads(path.read_text())
-    for key in LOADER_KEYS:
-        config.pop(key, None)
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

