@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replicas.kernels import fused_cpu
 from replicas.kernels.cpu_linear.expert_native import expert_linear, native_experts
 from replicas.models.layers import SwiGLU
 
@@ -93,17 +94,15 @@ class Experts(nn.Module):
 
     def _native_decode(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """Each pair times its expert on the native kernel: a pair's result depends on nothing else in the
-        batch (alone = batched, bitwise), and only the chosen experts' weights are read, once per pair.
-        Pairs sorted by expert, so pairs sharing one read its weight rows from L1. Shapes as forward."""
+        batch (alone = batched, bitwise), and only the chosen experts' weights are read, once per pair. Few
+        ops (each costs microseconds at this size): pairs in (token, k) order, unsorted (pairs that share an
+        expert find its rows in cache anyway), the fused SiLU-and-mul where built. Shapes as forward."""
         num_tokens, top_k = top_k_index.shape
         expert_ids = top_k_index.reshape(-1)  # [N], (token, k) order
-        order = torch.argsort(expert_ids, stable=True)  # [N]: sorted position -> pair
-        sorted_ids = expert_ids[order]
-        gate_up = expert_linear(x[order // top_k], self.gate_up_proj, sorted_ids)  # [N, 2I] float32
-        gate, up = gate_up.chunk(2, dim=-1)
-        product = F.silu(gate).mul_(up).to(x.dtype)  # [N, I]: one rounding, as SwiGLU
-        out_sorted = expert_linear(product, self.down_proj, sorted_ids)  # [N, hidden] float32
-        out = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted).view(num_tokens, top_k, -1)
+        x_pairs = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, x.shape[-1])  # [N, hidden]
+        gate_up = expert_linear(x_pairs, self.gate_up_proj, expert_ids)  # [N, 2I] float32
+        product = silu_and_mul(gate_up, x.dtype)  # [N, I]: one rounding, as SwiGLU
+        out = expert_linear(product, self.down_proj, expert_ids).view(num_tokens, top_k, -1)  # float32
         return (out * top_k_weights.float().unsqueeze(-1)).sum(dim=1)  # [T, hidden], summed in k order
 
 
@@ -115,6 +114,14 @@ def use_native_experts(model: nn.Module) -> int:
     for module in experts:
         module.native = True
     return len(experts)
+
+
+def silu_and_mul(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N, 2I] -> silu(gate) * up [N, I] in float32, rounded once to dtype: the fused op where it is built."""
+    if fused_cpu.fused_ops() is not None:
+        return fused_cpu.silu_and_mul(gate_up, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up).to(dtype)
 
 
 class SparseMoeBlock(nn.Module):

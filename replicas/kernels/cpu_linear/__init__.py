@@ -47,11 +47,17 @@ def can_pack(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
     return dtype != torch.bfloat16 or cpu_isa.bf16_weights_supported()
 
 
+# Narrower outputs stay on F.linear: oneDNN's packed call costs ~13 us whatever the size, F.linear 3-4 us for a
+# [1, 512] x [512, <= 8] product (an MoE router, Qwen3.5's per-head gates; 2 threads, bf16 and float32).
+MIN_PACKED_OUT_FEATURES = 64
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replaces every nn.Linear in `model` (a CPU model) with a PackedLinear that gives the same
-    output on a probe batch; returns how many were replaced."""
+    """Replaces every nn.Linear in `model` (a CPU model) of at least MIN_PACKED_OUT_FEATURES outputs with a
+    PackedLinear that gives the same output on a probe batch; returns how many were replaced."""
     targets = [(name, module) for name, module in model.named_modules() if type(module) is not PackedLinear
-               and isinstance(module, nn.Linear) and can_pack(module.weight.device, module.weight.dtype)]
+               and isinstance(module, nn.Linear) and module.out_features >= MIN_PACKED_OUT_FEATURES
+               and can_pack(module.weight.device, module.weight.dtype)]
     packed = 0
     for name, linear in targets:
         try:
