@@ -82,12 +82,29 @@ def _canonical_part(part):
     return part
 
 
+def canonical_tool_call(call: Mapping) -> dict:
+    """A tool call as what the model wrote: its function's name and arguments, the arguments as parsed JSON
+    (a client that re-serialises them with other spacing or key order still matches; text that is not JSON
+    stays text). The call's `id` and `type` are the server's, not the model's: left out (a client may keep
+    or rewrite them)."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    return {"name": function.get("name"), "arguments": arguments}
+
+
 def canonical_message(msg: Mapping) -> dict:
     """The fields of a chat message that decide its render, top-level None values dropped.
 
     String content stays a string; a list of content parts becomes a list of the
-    parts' text (non-text parts kept whole, see `_canonical_part`). Nested values are
-    kept as sent: a difference there can only cost a cache miss, never a wrong hit.
+    parts' text (non-text parts kept whole, see `_canonical_part`). Tool calls become
+    `canonical_tool_call`s, and an assistant turn with tool calls and empty content has no
+    content (clients send "" or null alike). Other nested values are kept as sent: a
+    difference there can only cost a cache miss, never a wrong hit.
     """
     out = {}
     for key in _MESSAGE_FIELDS:
@@ -96,7 +113,13 @@ def canonical_message(msg: Mapping) -> dict:
             continue
         if key == "content" and not isinstance(value, str):
             value = [_canonical_part(p) for p in value]
+        elif key == "tool_calls":
+            value = [canonical_tool_call(call) for call in value]
         out[key] = value
+    if out.get("tool_calls") and out.get("content") in ("", []):
+        del out["content"]
+    if not out.get("tool_calls"):
+        out.pop("tool_calls", None)
     return out
 
 

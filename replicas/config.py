@@ -47,6 +47,9 @@ class EngineConfig(BaseModel):
     native_kernels: bool = Field(True, description="CPU: the native C++ ops (paged attention, int4 linears, "
                                                    "fused norms / rotary / SiLU-and-mul), built once per host for "
                                                    "its ISA; false, or where they cannot be built: PyTorch ops.")
+    grammar_compile_threads: int = Field(1, ge=1, le=64, description="Structured outputs: threads compiling "
+                                         "grammars (a pool beside the step thread; a request waits for its "
+                                         "grammar before it is scheduled, the running batch does not).")
     int4_decode: bool = Field(True, description="CPU, bfloat16: linears whose checkpoint weights are 4-bit groups "
                                                 "(GGUF Q4_0/Q4_1) run batches of up to 8 rows on the int4 groups.")
 

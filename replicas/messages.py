@@ -8,10 +8,47 @@ A `ModelReplica.generate(request)` call yields `GenerateDelta`s:
 - exactly one delta has `finish_reason` set, and it is the last;
 - usage counts (`num_prompt_tokens`, `num_cached_tokens`, `num_generated_tokens`)
   are cumulative and exact on every delta.
-A request the replica cannot serve raises `RequestError` before the first delta.
+A request the replica cannot serve raises `RequestError` before the first delta (an invalid
+structured-output spec included); a grammar that refuses a token mid-generation ends its request
+with a `RequestError` (500) after the deltas so far.
 """
 
 from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StructuredSpec:
+    """A constraint on the generated text, enforced token by token by the replica's grammar stage
+    (replicas/sampling/grammar.py, xgrammar). Built by the ingress; compiled and checked by the replica,
+    which refuses an invalid one with RequestError(400, param=self.param) before the first delta.
+
+    kind         text holds
+    json_schema  the JSON schema, serialized (json.dumps)
+    json_object  nothing (any JSON object: the schema {"type": "object"})
+    regex        the pattern (xgrammar's regex: ECMAScript-like, anchored at both ends)
+    choice       nothing; `choices` holds the exact strings, one of which is the whole output
+    grammar      an EBNF grammar (xgrammar / GBNF syntax) whose start rule is `root`
+    structural_tag  xgrammar's structural tag, serialized: {"type": "structural_tag", "format": {...}}
+                 (tags, sequences, triggered tags, JSON schemas inside them: tool-call formats)
+    """
+
+    kind: str  # one of STRUCTURED_KINDS
+    text: str = ""
+    choices: list[str] = field(default_factory=list)
+    # The grammar applies only after these ids appear in the output (e.g. the ids of "</think>"): the tokens
+    # up to and including them are free. None: it applies from the first generated token.
+    start_after: list[int] | None = None
+    # JSON kinds: whitespace between tokens. False: the compact form (", " and ": "), which also keeps a
+    # small model from looping on whitespace.
+    any_whitespace: bool = False
+    param: str = "response_format"  # the request field an error names
+
+    def cache_key(self) -> tuple:
+        """What the compiled grammar depends on (start_after and param do not change it)."""
+        return self.kind, self.text, tuple(self.choices), self.any_whitespace
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(slots=True)
@@ -31,6 +68,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # clamped to [-100, 100]
     min_tokens: int = 0  # no EOS / stop token id / stop string before this many generated tokens
     min_p: float = 0.0
+    # Structured output: the grammar's mask applies before the processors above (so logprobs see it).
+    structured: StructuredSpec | None = None
     # Logprobs: None = none; k = the chosen token's logprob + the k most likely (0..20).
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # needs logits at prompt positions: bypasses prefix cache and retention
@@ -61,6 +100,9 @@ class GenerateRequest:
     conversation_key: str | None = None
     turn_terminator_ids: list[int] = field(default_factory=list)  # what the template writes after a reply
     retention: str = "off"  # the ingress's verdict: "off", "first turn", "span", "fallback: <why>"
+    # Chat replies split at <think>…</think>: the ThinkState the reply starts in (replicas/reasoning.py), so the
+    # retained turn is keyed by the parts the client received; None: not split.
+    reasoning: str | None = None
     # Recurrent checkpoints (a later step).
     checkpoint_positions: list[int] = field(default_factory=list)
     # Written by the router (cache_router/router.py): prompt tokens it expects each replica to serve

@@ -24,6 +24,15 @@ class IngressConfig(BaseModel):
     max_n: int = Field(16, ge=1, le=128, description="Most choices one request may ask for (`n`).")
     health_timeout_s: float = Field(
         2.0, gt=0, description="How long `GET /health` waits for a ModelReplica to answer before it says 503.")
+    tool_parser: Literal["auto", "hermes", "qwen3_xml"] = Field(
+        "auto", description="How tool calls are read from chat replies (serve_app/tools/): 'hermes' "
+                            "(<tool_call> + JSON: Qwen2.5, Qwen3, Hermes), 'qwen3_xml' (<tool_call><function=..>: "
+                            "Qwen3.5, Qwen3-Coder); 'auto' picks by the chat template ('<function=' -> qwen3_xml, "
+                            "else hermes; a template without tool support gets a Hermes tool prompt).")
+    reasoning_parser: Literal["auto", "think", "none"] = Field(
+        "auto", description="Split chat replies into reasoning_content and content at <think>…</think> "
+                            "(serve_app/reasoning.py): 'auto' when the chat template writes <think>, 'think' "
+                            "always, 'none' never.")
 
 
 class RouterConfig(BaseModel):

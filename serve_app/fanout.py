@@ -100,7 +100,9 @@ class FanOut:
             async for i, delta in _interleave(streams):
                 lasts[i] = delta
                 if delta.text or delta.finish_reason or fmt.return_token_ids or delta.logprobs:
-                    yield _event(fmt.chunk(delta, i))
+                    chunk = fmt.chunk(delta, i)
+                    if chunk is not None:  # a split reply holds back a tag that may still be arriving
+                        yield _event(chunk)
             if fmt.include_usage:
                 yield _event(fmt.usage_chunk(lasts))
             self._count_tokens(lasts)

@@ -9,9 +9,12 @@ OpenAI does. An explicit `null` means the field's default.
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from replicas.messages import SamplingParams
+from replicas.messages import SamplingParams, StructuredSpec
+from serve_app.structured import SpecError, structured_spec
+from serve_app.tools.prompt import assistant_message
+from serve_app.tools.validation import check_tool_choice, check_tools
 
 # OpenAI fields not honoured: a request that sets one is refused, naming it.
 NOT_SUPPORTED = ("functions", "function_call", "prediction", "audio", "modalities")
@@ -49,6 +52,10 @@ class ChatMessage(BaseModel):
         out = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             out["content"] = "\n".join(part.get("text", "") for part in self.content)
+        if "reasoning" in out and "reasoning_content" not in out:  # vLLM's newer name: templates read the older
+            out["reasoning_content"] = out.pop("reasoning")
+        if self.role == "assistant" and self.tool_calls:  # arguments as objects (serve_app/tools/prompt.py)
+            out.update(assistant_message(out.get("content"), self.tool_calls))
         return out
 
 
@@ -89,6 +96,9 @@ class SamplingFields(BaseModel):
     user: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
     return_token_ids: bool = False  # extension (vLLM): prompt_token_ids and each choice's token_ids
+    # Extension (vLLM): one of json | json_object | regex | choice | grammar | structural_tag (serve_app/structured.py).
+    structured_outputs: dict[str, Any] | None = None
+    _structured: StructuredSpec | None = PrivateAttr(None)  # from response_format (chat) or structured_outputs
     functions: Any = None
     function_call: Any = None
     prediction: Any = None
@@ -130,6 +140,14 @@ class SamplingFields(BaseModel):
             raise FieldError("min_tokens", "min_tokens must not exceed max_tokens")
         return self
 
+    @model_validator(mode="after")
+    def _structured_output(self):
+        try:
+            self._structured = structured_spec(getattr(self, "response_format", None), self.structured_outputs)
+        except SpecError as exc:
+            raise FieldError(exc.param, str(exc)) from None
+        return self
+
     def sampling_params(self, num_logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -141,7 +159,8 @@ class SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias={int(k): max(-100.0, min(100.0, v)) for k, v in (self.logit_bias or {}).items()},
-            min_tokens=self.min_tokens, min_p=self.min_p, logprobs=num_logprobs, prompt_logprobs=prompt_logprobs,
+            min_tokens=self.min_tokens, min_p=self.min_p, structured=self._structured,
+            logprobs=num_logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens)
@@ -162,8 +181,11 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True  # false: at most one call per reply
     # Extension: keep this turn's exact ids for the next turn (None: the deployment's default, on).
     retain_token_ids: bool | None = None
+    # Extension (vLLM): false drops reasoning_content / reasoning from the reply (content is unchanged).
+    include_reasoning: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -174,26 +196,18 @@ class ChatCompletionRequest(SamplingFields):
             data = {**data, "max_tokens": value}
         return data
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value):
-        if value and value.get("type", "text") != "text":
-            raise ValueError(f"response_format {value.get('type')!r} is not supported yet (constrained decoding)")
-        return value
-
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, value):
-        if value:
-            raise ValueError("tools are not supported yet")
-        return value
+    def _tools(cls, value):
+        return check_tools(value) if value else value
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value):
-        if value not in (None, "none"):
-            raise ValueError("tool_choice is not supported yet")
-        return value
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        try:
+            check_tool_choice(self.tool_choice, self.tools)
+        except ValueError as exc:
+            raise FieldError("tool_choice", str(exc)) from None
+        return self
 
     @model_validator(mode="after")
     def _chat_checks(self):
@@ -256,7 +270,13 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered with the messages, as in chat
     add_special_tokens: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value):
+        return check_tools(value) if value else value
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -11,11 +11,16 @@ For a chat turn it also finds what retention needs (replicas/engine/retention.py
                the last history message's content, exactly, or the turn falls back to (b).
 """
 
+import logging
 from dataclasses import dataclass
+from functools import cached_property
 
 from cache_router.hashing import history_key
 from replicas.messages import RequestError
 from replicas.tokenizer import load_tokenizer
+from serve_app.tools.prompt import PROBE_TOOL, hermes_messages, uses_tools
+
+logger = logging.getLogger("ray.serve")
 
 SENTINEL = "\u2063tether\u2063sentinel\u2063"
 FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
@@ -62,23 +67,41 @@ class Renderer:
         return cached
 
     def render_text(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
+                    chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
+                    tools: list[dict] | None = None) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use /v1/completions", param="messages")
+        if uses_tools(messages, tools) and not self.supports_tools:
+            messages, tools = hermes_messages(messages, tools), None
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
         except Exception as exc:  # the template's own checks (roles, alternation) raise here
             raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+
+    @cached_property
+    def supports_tools(self) -> bool:
+        """Whether the template renders `tools` (passing them changes the text). One without tool support gets
+        the tools and tool turns in Hermes form instead (serve_app/tools/prompt.py), logged once here."""
+        probe = [{"role": "user", "content": "x"}]
+        try:
+            render = lambda tools: self.tokenizer.apply_chat_template(probe, tools=tools, tokenize=False)  # noqa: E731
+            supported = render([PROBE_TOOL]) != render(None)
+        except Exception:  # a template that fails on tools cannot render them either
+            supported = False
+        if not supported:
+            logger.warning("the chat template ignores `tools`: requests with tools get them in a Hermes-style "
+                           "system prompt, and tool turns as <tool_call> / <tool_response> text")
+        return supported
 
     def encode(self, text: str) -> list[int]:
         # Rendered text holds its special tokens already: add none.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict | None = None) -> list[int]:
-        return self.encode(self.render_text(messages, add_generation_prompt, chat_template_kwargs))
+                    chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render_text(messages, add_generation_prompt, chat_template_kwargs, tools=tools))
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -119,12 +142,16 @@ class Renderer:
         return text[text.index(SENTINEL) + len(SENTINEL):]
 
     def render_turn(self, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None,
-                    caller: str, model: str, retain: bool, continue_final_message: bool = False) -> ChatRender:
-        b_text = self.render_text(messages, add_generation_prompt, chat_template_kwargs, continue_final_message)
+                    caller: str, model: str, retain: bool, continue_final_message: bool = False,
+                    tools: list[dict] | None = None) -> ChatRender:
+        b_text = self.render_text(messages, add_generation_prompt, chat_template_kwargs, continue_final_message,
+                                  tools)
         render = ChatRender(self.encode(b_text))
         if not retain or continue_final_message:  # a continued reply is no finished turn to keep
             return render
         options = {"add_generation_prompt": add_generation_prompt, "chat_template_kwargs": chat_template_kwargs}
+        if tools:  # they render into the prompt: kept ids are only reused under the same tools
+            options["tools"] = tools
         render.conversation_key = history_key(caller, model, options, messages)
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
         if last is None:
@@ -135,7 +162,7 @@ class Renderer:
             return render
         history = messages[:last + 1]
         start, reason = self._new_turn_start(history, messages, b_text, render.prompt_token_ids,
-                                             add_generation_prompt, chat_template_kwargs)
+                                             add_generation_prompt, chat_template_kwargs, tools)
         if start is None:
             render.retention = f"fallback: {reason}"
             return render
@@ -144,16 +171,17 @@ class Renderer:
         render.retention = "span"
         return render
 
-    def _new_turn_start(self, history, messages, b_text, b_ids, add_generation_prompt, kwargs):
+    def _new_turn_start(self, history, messages, b_text, b_ids, add_generation_prompt, kwargs, tools=None):
         """Index in (b)'s ids where the new messages start, or (None, why not)."""
-        a_ids = self.encode(self.render_text(history, False, kwargs))
+        a_ids = self.encode(self.render_text(history, False, kwargs, tools=tools))
         if b_ids[:len(a_ids)] == a_ids:
             return len(a_ids), None
         # The template rewrote the history: render once more with a sentinel as the last history
         # message's content; everything after its terminator is the new messages, as (b) renders them.
         marked = [dict(m) for m in messages]
         marked[len(history) - 1]["content"] = SENTINEL
-        e_text = self.render_text(marked, add_generation_prompt, kwargs)
+        marked[len(history) - 1].pop("tool_calls", None)  # they render after the content: the sentinel must end it
+        e_text = self.render_text(marked, add_generation_prompt, kwargs, tools=tools)
         terminator, _ = self.turn_terminator()
         end = e_text.find(SENTINEL) + len(SENTINEL)
         if e_text[end:end + len(terminator)] != terminator:

@@ -4,12 +4,17 @@ Extensions (vLLM's shape, so existing clients work): with `return_token_ids`,
 chat bodies carry `prompt_token_ids` at the top level and `token_ids` in each
 choice; completions carry both in the choice. Stream chunks carry each delta's
 `token_ids`, and a choice's first chunk the `prompt_token_ids`.
+
+Chat replies of a reasoning model (serve_app/reasoning.py) carry `reasoning_content` and `reasoning` beside
+`content`, per choice; logprobs still list every generated token, reasoning and tags included.
 """
 
 import time
 from dataclasses import dataclass, field
 
 from replicas.messages import GenerateDelta, TokenLogprob
+from replicas.reasoning import ReasoningSplitter, ThinkState, split_reasoning
+from serve_app.tools import ToolCallReader
 
 SYSTEM_FINGERPRINT = "tether-0.1.0"
 
@@ -93,7 +98,46 @@ class ResponseFormat:
     logprobs: bool = False
     echo_text: str | None = None  # completions with echo: the prompt leads the text
     token_bytes: object = None  # token id -> its bytes (Renderer.token_bytes), for chat logprobs
+    think: ThinkState | None = None  # chat replies split into reasoning and content from this state; None: not
+    include_reasoning: bool = True
+    tools: ToolCallReader | None = None  # chat replies read for tool calls (serve_app/tools/); None: not
     created: int = field(default_factory=lambda: int(time.time()))
+    _splitters: dict = field(default_factory=dict, repr=False)  # choice index -> its stream's ReasoningSplitter
+    _tool_streams: dict = field(default_factory=dict, repr=False)  # choice index -> its ToolCallStream
+
+    # -- the split: tool-call parsing runs on the content these return, never on reasoning --
+
+    def message_parts(self, choice: ChoiceResult) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a finished chat choice; unsplit: (None, the whole text)."""
+        if self.think is None:
+            return None, choice.text
+        return split_reasoning(choice.text, self.think)
+
+    def delta_parts(self, index: int, delta: GenerateDelta) -> tuple[str, str]:
+        """(reasoning, content) text of choice `index`'s next streamed delta ("" for none). Call once per delta,
+        in order: text that may be a split tag waits for the next delta, and the last delta flushes it."""
+        if self.think is None:
+            return "", delta.text
+        splitter = self._splitters.setdefault(index, ReasoningSplitter(self.think))
+        reasoning, content = splitter.feed(delta.text)
+        if delta.finish_reason:
+            more_reasoning, more_content = splitter.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
+    def tool_parts(self, index: int, delta: GenerateDelta, content: str) -> tuple[str, list[dict], str | None]:
+        """(content, delta.tool_calls fragments, finish_reason) of choice `index`'s next streamed content."""
+        stream = self._tool_streams.setdefault(index, self.tools.stream())
+        out = stream.feed(content)
+        if delta.finish_reason:
+            out += stream.finish()
+        return out.content, out.tool_calls, self.tools.finish_reason(delta.finish_reason, stream.has_calls)
+
+    def _with_reasoning(self, message: dict, reasoning: str | None, always: bool) -> dict:
+        # Both names: `reasoning_content` (DeepSeek's, most clients) and `reasoning` (vLLM's newer one).
+        if self.think is not None and self.include_reasoning and (reasoning or always):
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        return message
 
     @property
     def prompt_param(self) -> str:
@@ -111,7 +155,14 @@ class ResponseFormat:
         for c in choices:
             choice = {"index": c.index, "logprobs": None, "finish_reason": c.last.finish_reason}
             if self.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": c.text}
+                reasoning, content = self.message_parts(c)
+                message = {"role": "assistant", "content": content}
+                if self.tools is not None:
+                    parsed, calls = self.tools.parse(content or "")
+                    if calls:  # content: the text around the calls, or None
+                        message.update(content=parsed, tool_calls=calls)
+                        choice["finish_reason"] = self.tools.finish_reason(c.last.finish_reason, True)
+                choice["message"] = self._with_reasoning(message, reasoning, always=True)
                 if self.logprobs:
                     choice["logprobs"] = chat_logprobs(c.logprobs, self.token_bytes)
             else:
@@ -131,12 +182,24 @@ class ResponseFormat:
         out["usage"] = usage([c.last for c in choices])
         return out
 
-    def chunk(self, delta: GenerateDelta, index: int, first: bool = False) -> dict:
-        """The chunk of one delta of choice `index`; a choice's first chunk carries the role and prompt ids."""
+    def chunk(self, delta: GenerateDelta, index: int, first: bool = False) -> dict | None:
+        """The chunk of one delta of choice `index`; a choice's first chunk carries the role and prompt ids.
+        None when a split reply's delta has nothing to send yet (its text held back or dropped reasoning)."""
         choice = {"index": index, "logprobs": None, "finish_reason": delta.finish_reason}
         if self.kind == "chat":
-            content = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
-            choice["delta"] = {} if delta.finish_reason and not delta.text and not first else content
+            reasoning, content = self.delta_parts(index, delta)
+            tool_calls = None
+            if self.tools is not None:
+                content, tool_calls, choice["finish_reason"] = self.tool_parts(index, delta, content)
+            message = {"role": "assistant"} if first else {}
+            if content or first or not (delta.finish_reason or self.think or self.tools):
+                message["content"] = content
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice["delta"] = self._with_reasoning(message, reasoning, always=False)
+            if ((self.think is not None or self.tools is not None)
+                    and not (message or first or delta.finish_reason or delta.logprobs or self.return_token_ids)):
+                return None
             if self.logprobs:
                 choice["logprobs"] = chat_logprobs(delta.logprobs or [], self.token_bytes)
             out = self._envelope("chat.completion.chunk", [choice])

@@ -6,6 +6,7 @@ routes run inside the Serve ingress and, over a LocalBackend, in plain uvicorn.
 
 import asyncio
 import hashlib
+import json
 import time
 import uuid
 
@@ -13,7 +14,7 @@ from fastapi import Depends, FastAPI, Request
 
 from cache_router.hashing import route_key
 from replicas.config import read_max_position_embeddings
-from replicas.messages import GenerateRequest, RequestError, as_request_error
+from replicas.messages import GenerateRequest, RequestError, StructuredSpec, as_request_error
 from replicas.models.prepare import prepare_model
 from serve_app.backend import DEPLOYMENT_FAILED
 from serve_app.config import AppConfig
@@ -22,8 +23,10 @@ from serve_app.metrics import IngressMetrics, install_metrics
 from serve_app.errors import error_response, install_error_handlers
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                 TokenizeRequest)
+from serve_app.reasoning import ReasoningParser, ThinkState
 from serve_app.render import ChatRender, Renderer
 from serve_app.responses import ResponseFormat
+from serve_app.tools import ToolCallReader, choose_parser, tool_call_structural_tag
 
 __all__ = ["OpenAIServer", "make_api", "REPLICA_HEADER", "VERSION"]
 VERSION = "0.1.0"
@@ -39,6 +42,8 @@ class OpenAIServer:
         self.model_name = config.model_name()
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self.reasoning = ReasoningParser(config.ingress.reasoning_parser, renderer.tokenizer)
+        self._tool_parser: str | None = None
         self._asked_replicas = False
 
     @classmethod
@@ -132,16 +137,46 @@ class OpenAIServer:
         await self.sync_limits()
         messages = [m.for_template() for m in body.messages]
         render = self.renderer.render_turn(messages, body.add_generation_prompt, body.chat_template_kwargs,
-                                           caller, self.model_name, self.retains(body), body.continue_final_message)
+                                           caller, self.model_name, self.retains(body), body.continue_final_message,
+                                           body.tools)
         key = route_key(caller, self.model_name, messages=messages, block_size=self.block_size)
         requests = self.generate_requests(body, render.prompt_token_ids, caller, key, "messages",
                                           body.num_logprobs(), None)
+        think = self.reasoning.state(render.prompt_token_ids, body.continue_final_message)
         for request in requests:
             self._attach_retention(request, render)
+            request.reasoning = think and think.value
+        tools = self._tool_use(body, requests, think)
         fmt = ResponseFormat("chat", body.request_id or f"chatcmpl-{requests[0].request_id}", self.model_name,
                              body.include_usage, body.return_token_ids, logprobs=body.logprobs,
-                             token_bytes=self.renderer.token_bytes)
+                             token_bytes=self.renderer.token_bytes, think=think,
+                             include_reasoning=body.include_reasoning, tools=tools)
         return await self.fanout.respond(requests, fmt, body.stream, start)
+
+    @property
+    def tool_parser(self) -> str:
+        """The deployment's tool-call format (serve_app/tools/reader.py), read off the template at first use."""
+        if self._tool_parser is None:
+            template = getattr(self.renderer.tokenizer, "chat_template", None)
+            self._tool_parser = choose_parser(self.config.ingress.tool_parser, template,
+                                              bool(template) and self.renderer.supports_tools)
+        return self._tool_parser
+
+    def _tool_use(self, body: ChatCompletionRequest, requests: list[GenerateRequest], think) -> ToolCallReader | None:
+        """How the replies are read for tool calls (None: not at all, as with tool_choice "none"); "required"
+        and a named function are enforced by a grammar in the parser's own format (serve_app/tools/grammar.py),
+        which replaces any response_format grammar: the reply is the call(s)."""
+        if not body.tools or body.tool_choice == "none":
+            return None
+        may_think = think is ThinkState.MODEL  # the tag allows a <think> block (serve_app/tools/grammar.py)
+        tag = tool_call_structural_tag(body.tools, body.tool_choice, self.tool_parser, body.parallel_tool_calls,
+                                       optional_reasoning=may_think)
+        if tag is not None:
+            spec = StructuredSpec("structural_tag", json.dumps(tag), param="tool_choice",
+                                  start_after=None if may_think else self.reasoning.start_after(think))
+            for request in requests:
+                request.sampling.structured = spec
+        return ToolCallReader(self.tool_parser, body.tools, body.parallel_tool_calls)
 
     def _attach_retention(self, request: GenerateRequest, render: ChatRender) -> None:
         request.history_key = render.history_key
@@ -182,7 +217,8 @@ class OpenAIServer:
         self.check_model(body.model)
         if body.messages is not None:
             messages = [m.for_template() for m in body.messages]
-            ids = self.renderer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
+            ids = self.renderer.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                            body.tools)
         elif isinstance(body.prompt, list):
             ids = list(body.prompt)
         else:

@@ -4,6 +4,10 @@ The event loop never touches the Engine: it posts adds and aborts to an inbox;
 the step thread drains the inbox between steps, steps, and hands each step's
 deltas back to the loop in one call. A caller that goes away (its generator
 closed or cancelled) posts an abort, so its blocks are freed at the next step.
+A structured request first awaits its grammar from the engine's grammar pool
+(thread-safe; compiled off the step thread) and is posted only once it is ready,
+so the running batch never waits on a compilation; a request whose grammar fails
+mid-generation gets its error after its deltas so far.
 
 The step thread also builds the Engine and sets its torch thread count: every
 parallel torch op of the replica runs on that one thread. OpenMP (libgomp) keeps
@@ -58,9 +62,14 @@ class AsyncEngine:
         if self._stopped:
             raise RuntimeError("the engine was shut down")
         self.engine.check_request(request)  # reads config only; raises RequestError before any state
+        grammar = None
+        if request.sampling.structured is not None:  # compiled on the grammar pool: the step loop never waits
+            compiling = self.engine.grammars.submit(request.sampling.structured)
+            # Shielded: a caller that goes away must not cancel a compilation other requests share.
+            grammar = await asyncio.shield(asyncio.wrap_future(compiling))
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
-        self._post(("add", request))
+        self._post(("add", (request, grammar)))
         finished = False
         try:
             while not finished:
@@ -87,6 +96,8 @@ class AsyncEngine:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=5)
+        if self.engine is not None:
+            self.engine.grammars.shutdown()
 
     def _post(self, message) -> None:
         self._inbox.put(message)
@@ -112,6 +123,8 @@ class AsyncEngine:
                     self._wakeup.clear()
                     continue
                 self._deliver(self.engine.step())
+                for request_id, error in self.engine.take_failures():
+                    self._deliver_failure(request_id, error)
         except BaseException as exc:  # a bug in a step: fail every open stream, report unhealthy
             self.error = exc
             for request_id in list(self._streams):
@@ -127,11 +140,14 @@ class AsyncEngine:
             if kind == "abort":
                 self.engine.abort_request(payload)
                 self._held.pop(payload, None)
-            elif payload.request_id in self._streams:  # an add whose caller is still there
+            else:
+                request, grammar = payload
+                if request.request_id not in self._streams:  # its caller went away
+                    continue
                 try:
-                    self.engine.add_request(payload)
+                    self.engine.add_request(request, grammar)
                 except Exception as exc:
-                    self._deliver_to(payload.request_id, exc)
+                    self._deliver_to(request.request_id, exc)
 
     def _deliver(self, deltas: list[GenerateDelta]) -> None:
         for delta in deltas:
@@ -141,6 +157,13 @@ class AsyncEngine:
                 self._deliver_to(delta.request_id, GenerateDelta.merged(held))
             elif delta.request_id in self._streams:  # a caller gone (aborted) keeps nothing here
                 self._held[delta.request_id] = held
+
+    def _deliver_failure(self, request_id: str, error: BaseException) -> None:
+        """A request that failed mid-generation: its held deltas, then the error, which ends its stream."""
+        held = self._held.pop(request_id, None)
+        if held:
+            self._deliver_to(request_id, GenerateDelta.merged(held))
+        self._deliver_to(request_id, error)
 
     def _deliver_to(self, request_id: str, item) -> None:
         entry = self._streams.get(request_id)

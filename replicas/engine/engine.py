@@ -2,8 +2,9 @@
 
     step():  scheduled = scheduler.schedule()
              output    = model_runner.run(scheduled)     sampled ids, their logprobs, prompt logprobs
-             updated   = scheduler.postprocess(scheduled, output.token_ids)
+             updated   = scheduler.postprocess(scheduled, output.token_ids)    grammars advanced here
              -> RequestOutput per updated request: detokenize, logprobs, end those that hit a stop string
+             (a request whose grammar failed gets no delta: it goes to `failures`, for its stream)
 
 The engine is not thread-safe: AsyncEngine owns it from one thread.
 """
@@ -27,6 +28,7 @@ from replicas.engine.scheduler import Scheduler
 from replicas.messages import GenerateDelta, GenerateRequest, RequestError
 from replicas.models.gated_deltanet import allocate_linear_states
 from replicas.models.loader import load_model
+from replicas.sampling.grammar import GrammarManager
 from replicas.sampling.logprobs import PositionLogprobs
 from replicas.tokenizer import eos_token_ids, load_tokenizer
 
@@ -66,7 +68,12 @@ class Engine:
                                              linear_states, save_turn_ends=True, every=config.checkpoint_every)
         self.scheduler = Scheduler(kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    StateSlotPool(config.max_num_seqs) if self.is_hybrid else None, self.checkpointer)
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, linear_states)
+        # Structured outputs: the bitmask covers the logits' width (the model's vocab_size, which may exceed
+        # the tokenizer's); EOS ids end a grammar.
+        self.grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                       config.max_num_seqs, config.grammar_compile_threads)
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, linear_states,
+                                  self.grammars)
         # What the budgets allocated, in bytes (the replica reports them beside its resident memory).
         self.memory = {"num_weight_bytes": tensor_bytes([*self.model.parameters(), *self.model.buffers()]),
                        "num_kv_cache_bytes": tensor_bytes([t for pair in kv_caches for t in pair]),
@@ -78,6 +85,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.outputs: dict[str, RequestOutput] = {}
         self.origins: dict[str, GenerateRequest] = {}  # what the ingress sent, for retention at the end
+        self.failures: list[tuple[str, RequestError]] = []  # requests failed mid-generation, for their streams
         self.retention = Retention(config.retain_token_ids, config.max_retained_tokens)
         self.stats = EngineStats()
 
@@ -107,6 +115,9 @@ class Engine:
             raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if any(not 0 <= t < vocab for t in request.sampling.logit_bias):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        spec = request.sampling.structured
+        if spec is not None and any(not 0 <= t < vocab for t in spec.start_after or []):
+            raise RequestError(f"start_after token ids must be in [0, {vocab})", param=spec.param)
         if num_prompt >= self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; "
                                f"the prompt has {num_prompt}.", param="prompt", code="context_length_exceeded")
@@ -118,13 +129,20 @@ class Engine:
                                param="max_tokens", code="context_length_exceeded")
         return room if max_tokens is None else max_tokens
 
-    def add_request(self, request: GenerateRequest) -> None:
+    def add_request(self, request: GenerateRequest, grammar=None) -> None:
+        """`grammar`: the request's compiled grammar, when its caller compiled it off this thread
+        (AsyncEngine); else a structured request compiles here, blocking (or raises RequestError)."""
         if request.request_id in self.requests:
             raise RequestError(f"request id {request.request_id!r} is already running", param="request_id")
         prompt, num_retained, retention = self.retention.resolve(request, self.max_model_len)
         max_tokens = self.check_request(request, prompt)
+        spec = request.sampling.structured
+        if spec is not None and grammar is None:
+            grammar = self.grammars.compile(spec)
         req = Request(request.request_id, prompt, request.sampling, max_tokens, self.eos_token_ids,
                       num_retained_tokens=num_retained, retention=retention)
+        if spec is not None:
+            req.grammar = self.grammars.new_state(spec, grammar)
         self.requests[req.request_id] = req
         self.origins[req.request_id] = request
         self.outputs[req.request_id] = RequestOutput(req, self.tokenizer, self.token_texts, self.reasoning_end_id)
@@ -135,11 +153,24 @@ class Engine:
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
-        self.outputs.pop(request_id, None)
-        self.origins.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is not None:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            self._forget(req)
+
+    def _forget(self, req: Request) -> GenerateRequest:
+        """Drops what the engine holds for a request that has finished; returns what the ingress sent."""
+        del self.requests[req.request_id]
+        del self.outputs[req.request_id]
+        if req.grammar is not None:
+            self.grammars.release(req.grammar)
+            req.grammar = None
+        return self.origins.pop(req.request_id)
+
+    def take_failures(self) -> list[tuple[str, RequestError]]:
+        """The requests that failed mid-generation since the last call, with why (their streams end so)."""
+        failures, self.failures = self.failures, []
+        return failures
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -163,7 +194,14 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(updated)
         # updated holds one request per sampling row, in the runner's row order.
-        return [self._delta(req, logprob) for req, logprob in zip(updated, output.logprobs, strict=True)]
+        deltas = []
+        for req, logprob in zip(updated, output.logprobs, strict=True):
+            if req.error is not None:
+                self._forget(req)
+                self.failures.append((req.request_id, req.error))
+            else:
+                deltas.append(self._delta(req, logprob))
+        return deltas
 
     def _delta(self, req: Request, logprob: PositionLogprobs | None) -> GenerateDelta:
         out = self.outputs[req.request_id]
@@ -173,9 +211,7 @@ class Engine:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         delta = out.delta(req, token_id)
         if req.status.is_finished:
-            del self.requests[req.request_id]
-            del self.outputs[req.request_id]
-            self.retention.record(self.origins.pop(req.request_id), req.token_ids, out.detokenizer.text)
+            self.retention.record(self._forget(req), req.token_ids, out.detokenizer.text)
         return delta
 
 

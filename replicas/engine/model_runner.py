@@ -38,13 +38,13 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 device: torch.device, linear_states: list[LinearLayerState] | None = None):
+                 device: torch.device, linear_states: list[LinearLayerState] | None = None, grammars=None):
         self.model = model
         self.kv_caches = kv_caches
         self.linear_states = linear_states  # hybrid models: per linear layer, state tensors indexed by slot
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler()
+        self.sampler = Sampler(grammars)
         # The PyTorch attention path's padded groups are built only where no native attention op runs.
         self.batch_builder = BatchBuilder(block_size, device, build_groups=not uses_native_attention(model, device))
 

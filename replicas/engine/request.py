@@ -8,11 +8,15 @@ the end.
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from replicas.messages import SamplingParams
+from replicas.messages import RequestError, SamplingParams
 from replicas.sampling.logprobs import PositionLogprobs
+
+if TYPE_CHECKING:
+    from replicas.sampling.grammar import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +59,8 @@ class Request:
     generator: torch.Generator | None = None
     # With prompt_logprobs: one entry per prompt token 1.., collected across prefill chunks.
     collected_prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    grammar: "GrammarState | None" = None  # structured output: its matcher (replicas/sampling/grammar.py)
+    error: RequestError | None = None  # why the request failed mid-generation (its stream gets this error)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

@@ -12,6 +12,7 @@ back to the whole render B and says which path it took.
 from cache_router.hashing import canonical_message, extend_history_key
 from replicas.cache.retained import RetainedStore
 from replicas.messages import GenerateRequest
+from replicas.reasoning import ThinkState, split_reasoning
 
 
 class Retention:
@@ -41,9 +42,19 @@ class Retention:
         """Keeps a finished turn's ids (prompt + generated + the rest of the turn terminator)."""
         if not self.enabled or request.retention == "off" or request.conversation_key is None:
             return
-        reply = canonical_message({"role": "assistant", "content": reply_text})
-        key = extend_history_key(request.conversation_key, reply)
-        self.store.put(key, request.caller, token_ids + rest_of_terminator(token_ids, request.turn_terminator_ids))
+        kept = token_ids + rest_of_terminator(token_ids, request.turn_terminator_ids)
+        for reply in reply_messages(reply_text, request.reasoning):
+            self.store.put(extend_history_key(request.conversation_key, reply), request.caller, kept)
+
+
+def reply_messages(reply_text: str, reasoning_state: str | None) -> list[dict]:
+    """The assistant messages a client may send back for this reply. A split reply: its content with the
+    reasoning (as reasoning_content) and without it (most clients drop it); each is a key of the same ids."""
+    if reasoning_state is None:
+        return [canonical_message({"role": "assistant", "content": reply_text})]
+    reasoning, content = split_reasoning(reply_text, ThinkState(reasoning_state))
+    plain = canonical_message({"role": "assistant", "content": content})
+    return [plain] if reasoning is None else [plain, {**plain, "reasoning_content": reasoning}]
 
 
 def rest_of_terminator(token_ids: list[int], terminator: list[int]) -> list[int]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from replicas.cache.kv_cache_manager import KVCacheManager
 from replicas.cache.state_slots import StateSlotPool
 from replicas.engine.request import Request, RequestStatus
+from replicas.messages import RequestError
 
 
 @dataclass(slots=True)
@@ -117,7 +118,8 @@ class Scheduler:
 
     def postprocess(self, scheduled: list[ScheduledRequest], sampled_token_ids: list[int]) -> list[Request]:
         """Advance the computed counts, append the sampled tokens (one per sampling row, in order),
-        finish what hit a stop token or its length. Returns the requests that got a token."""
+        advance their grammars, finish what hit a stop token, its grammar's end or its length. Returns the
+        requests that got a token (a request whose grammar refused its token carries `error`)."""
         sampled = iter(sampled_token_ids)
         updated = []
         for item in scheduled:
@@ -129,7 +131,13 @@ class Scheduler:
                 continue
             token_id = next(sampled)
             request.token_ids.append(token_id)
-            if request.is_stop_token(token_id):
+            grammar = request.grammar
+            if grammar is not None and not grammar.advance(request.token_ids, request.num_prompt_tokens):
+                # The mask allows only what the matcher accepts, so this is a bug; it ends this request only.
+                request.error = RequestError(f"structured output: the grammar refused token {token_id}",
+                                             status_code=500, type="internal_error")
+                self.finish(request, RequestStatus.FINISHED_ABORTED)
+            elif request.is_stop_token(token_id) or grammar is not None and grammar.is_terminated:
                 self.finish(request, RequestStatus.FINISHED_STOPPED)
             elif request.num_output_tokens >= request.max_tokens:
                 self.finish(request, RequestStatus.FINISHED_LENGTH)

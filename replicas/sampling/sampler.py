@@ -1,15 +1,18 @@
 """Sampler: logits of the sampling rows -> one token id per row, and logprobs for the rows that ask.
 
+0. Rows whose structured-output grammar is active get its token bitmask: disallowed logits to -inf, in
+   place (grammar.py). Skipped, at the cost of one counter check, while no request has a grammar.
 1. A LogitsPlan is built on the host for the rows that ask for a logits processor (penalties,
    logit_bias, min_tokens, min_p); a batch where none asks takes the plain path with no extra work.
-2. The plan is applied to a float32 copy of those rows (processors.py, vLLM's order).
+2. The plan is applied to a float32 copy of those rows (processors.py, vLLM's order). A grammar row
+   the processors left empty (min_tokens banning the grammar's only way on: its end) keeps the mask alone.
 3. Greedy rows (temperature 0) take the argmax of the processed logits.
 4. The other rows are divided by their temperature,
 5. cut to their top_k, then to their top_p (nucleus, smallest set reaching p),
 6. softmaxed, and drawn: a row with a seed draws from its own (CPU) generator,
    so its output does not depend on what else is in the batch or the device.
 7. Rows with logprobs get the drawn token's logprob and their top alternatives, from the processed
-   logits of step 2 (before temperature; logprobs.py).
+   logits of step 2 (before temperature; logprobs.py), so they see the grammar's mask.
 """
 
 from dataclasses import dataclass
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from replicas.engine.request import Request
+from replicas.sampling.grammar import GrammarManager, grammar_end_wins
 from replicas.sampling.logprobs import PositionLogprobs, compute_logprobs
 from replicas.sampling.processors import apply_logits_plan, build_logits_plan
 
@@ -28,10 +32,17 @@ class SamplerOutput:
 
 
 class Sampler:
+    def __init__(self, grammars: GrammarManager | None = None):
+        self.grammars = grammars
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         # logits: [R, vocab] float32, row r belongs to requests[r]
+        masked_rows = self.grammars.apply(logits, requests) if self.grammars and self.grammars.num_live else []
         plan = build_logits_plan(requests, logits.shape[-1], logits.device)
-        logits = apply_logits_plan(logits, plan)  # [R, vocab]
+        processed = apply_logits_plan(logits, plan)  # [R, vocab]; a copy when a plan applies
+        if masked_rows and plan is not None:
+            processed = grammar_end_wins(processed, logits, masked_rows)
+        logits = processed
         token_ids = logits.argmax(dim=-1).cpu()  # [R]
         rows = [r for r, req in enumerate(requests) if not req.sampling.is_greedy]
         if rows:

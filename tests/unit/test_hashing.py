@@ -91,8 +91,21 @@ def test_canonical_message_keeps_render_fields_and_drops_none():
            "tool_calls": [{"id": "c1", "type": "function",
                            "function": {"name": "f", "arguments": "{}"}}],
            "reasoning_content": "think"}
-    assert canonical_message(msg) == {"role": "assistant", "tool_calls": msg["tool_calls"],
+    assert canonical_message(msg) == {"role": "assistant", "tool_calls": [{"name": "f", "arguments": {}}],
                                       "reasoning_content": "think"}
+
+
+def test_a_tool_call_is_keyed_by_what_the_model_wrote_not_how_the_client_serialised_it():
+    def turn(arguments: str, content=None, call_id: str = "call_1") -> list[dict]:
+        call = {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        return [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": content, "tool_calls": [call]}]
+
+    key = history_key("c", "m", {}, turn('{"city": "Paris", "days": 2}'))
+    assert history_key("c", "m", {}, turn('{ "days":2,\n "city":"Paris" }')) == key  # spacing, key order
+    assert history_key("c", "m", {}, turn('{"city": "Paris", "days": 2}', content="", call_id="x")) == key
+    assert history_key("c", "m", {}, turn('{"city": "Lyon", "days": 2}')) != key  # an edited argument
+    assert history_key("c", "m", {}, turn('{"city": "Paris"')) != key  # not JSON: kept as text
 
 
 def test_canonical_message_normalises_content_parts():

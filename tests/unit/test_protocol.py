@@ -22,7 +22,7 @@ def param_of(model, body) -> str | None:
                                          ("presence_penalty", 2.5), ("frequency_penalty", -3),
                                          ("repetition_penalty", 0), ("min_p", 1.5), ("min_tokens", -1),
                                          ("max_completion_tokens", 0), ("top_logprobs", 21), ("best_of", 2),
-                                         ("logit_bias", {"abc": 1}), ("response_format", {"type": "json_object"}),
+                                         ("logit_bias", {"abc": 1}), ("response_format", {"type": "xml"}),
                                          ("tools", [{"type": "function"}]), ("tool_choice", "auto")])
 def test_chat_bad_values_name_their_field(field, value):
     assert param_of(ChatCompletionRequest, {**CHAT, field: value}) == field
