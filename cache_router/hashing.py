@@ -86,7 +86,7 @@ def canonical_tool_call(call: Mapping) -> dict:
     """A tool call as what the model wrote: its function's name and arguments, the arguments as parsed JSON
     (a client that re-serialises them with other spacing or key order still matches; text that is not JSON
     stays text). The call's `id` and `type` are the server's, not the model's: left out (a client may keep
-    or rewrite them)."""
+    or rewrite them). Idempotent: the result keeps OpenAI's shape, {"function": {"name", "arguments"}}."""
     function = call.get("function") or {}
     arguments = function.get("arguments")
     if isinstance(arguments, str):
@@ -94,7 +94,7 @@ def canonical_tool_call(call: Mapping) -> dict:
             arguments = json.loads(arguments)
         except ValueError:
             pass
-    return {"name": function.get("name"), "arguments": arguments}
+    return {"function": {"name": function.get("name"), "arguments": arguments}}
 
 
 def canonical_message(msg: Mapping) -> dict:

@@ -15,6 +15,8 @@ with a `RequestError` (500) after the deltas so far.
 
 from dataclasses import dataclass, field
 
+from replicas.tool_calls.reader import ToolCallReader
+
 
 @dataclass(slots=True)
 class StructuredSpec:
@@ -103,6 +105,9 @@ class GenerateRequest:
     # Chat replies split at <think>…</think>: the ThinkState the reply starts in (replicas/reasoning.py), so the
     # retained turn is keyed by the parts the client received; None: not split.
     reasoning: str | None = None
+    # Chat requests with tools (tool_choice not "none"): how the ingress reads the reply for tool calls
+    # (replicas/tool_calls/reader.py), so the retained turn is keyed by the calls the client received.
+    tool_reader: ToolCallReader | None = None
     # Recurrent checkpoints (a later step).
     checkpoint_positions: list[int] = field(default_factory=list)
     # Written by the router (cache_router/router.py): prompt tokens it expects each replica to serve

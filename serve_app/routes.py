@@ -24,6 +24,7 @@ from serve_app.errors import error_response, install_error_handlers
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                 TokenizeRequest)
 from serve_app.reasoning import ReasoningParser, ThinkState
+from serve_app.structured import after_reasoning
 from serve_app.render import ChatRender, Renderer
 from serve_app.responses import ResponseFormat
 from serve_app.tools import ToolCallReader, choose_parser, tool_call_structural_tag
@@ -146,6 +147,9 @@ class OpenAIServer:
         for request in requests:
             self._attach_retention(request, render)
             request.reasoning = think and think.value
+            if request.sampling.structured is not None:  # the answer is constrained, never the reasoning
+                request.sampling.structured = after_reasoning(request.sampling.structured, think,
+                                                              self.reasoning.end_ids())
         tools = self._tool_use(body, requests, think)
         fmt = ResponseFormat("chat", body.request_id or f"chatcmpl-{requests[0].request_id}", self.model_name,
                              body.include_usage, body.return_token_ids, logprobs=body.logprobs,
@@ -176,7 +180,10 @@ class OpenAIServer:
                                   start_after=None if may_think else self.reasoning.start_after(think))
             for request in requests:
                 request.sampling.structured = spec
-        return ToolCallReader(self.tool_parser, body.tools, body.parallel_tool_calls)
+        reader = ToolCallReader(self.tool_parser, body.tools, body.parallel_tool_calls)
+        for request in requests:  # the replica keys the finished turn by the calls read out of it
+            request.tool_reader = reader
+        return reader
 
     def _attach_retention(self, request: GenerateRequest, render: ChatRender) -> None:
         request.history_key = render.history_key

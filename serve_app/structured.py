@@ -14,10 +14,13 @@ delta, with a 400 naming the same field. A bad shape raises SpecError naming the
 own field; the message names the part inside it).
 """
 
+import dataclasses
 import json
+import re
 from typing import Any
 
 from replicas.messages import StructuredSpec
+from replicas.reasoning import THINK_END, THINK_START, ThinkState
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 STRUCTURED_OUTPUT_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -103,3 +106,38 @@ def structured_spec(response_format: dict[str, Any] | None,
     if from_format is not None and from_extra is not None:
         raise SpecError("structured_outputs", "give response_format or structured_outputs, not both")
     return from_format or from_extra
+
+
+def after_reasoning(spec: StructuredSpec, think: ThinkState | None, end_ids: list[int]) -> StructuredSpec:
+    """The spec for a chat reply that may reason first (serve_app/reasoning.py's ThinkState): the constraint
+    holds for the answer, never for the reasoning.
+    - CLOSED or no split: as is, from the first token;
+    - OPEN (the prompt opened <think>, Qwen3.5): free until </think> (start_after its ids);
+    - MODEL (the model may open <think> or not, Qwen3): one optional free <think>...</think> block, then the
+      constraint, as one structural tag (a start_after would wait for a </think> that may never come).
+    Tool enforcement (param "tool_choice") builds its own tag (serve_app/tools/grammar.py): as is."""
+    if think is None or think is ThinkState.CLOSED or spec.param == "tool_choice":
+        return spec
+    if think is ThinkState.OPEN:
+        return dataclasses.replace(spec, start_after=list(end_ids))
+    think_block = {"type": "tag", "begin": THINK_START, "content": {"type": "any_text"}, "end": THINK_END}
+    reasoning = {"type": "optional", "content": {"type": "sequence", "elements": [
+        think_block, {"type": "regex", "pattern": r"\s*"}]}}
+    fmt = {"type": "sequence", "elements": [reasoning, _tag_content(spec)]}
+    return dataclasses.replace(spec, kind="structural_tag", choices=[],
+                               text=json.dumps({"type": "structural_tag", "format": fmt}))
+
+
+def _tag_content(spec: StructuredSpec) -> dict:
+    """A spec as a structural tag's content."""
+    if spec.kind in ("json_schema", "json_object"):
+        schema = json.loads(spec.text) if spec.kind == "json_schema" else {"type": "object"}
+        content = {"type": "json_schema", "json_schema": schema}
+        return content if spec.any_whitespace else {**content, "max_whitespace_cnt": 1}
+    if spec.kind == "regex":
+        return {"type": "regex", "pattern": spec.text}
+    if spec.kind == "choice":
+        return {"type": "regex", "pattern": "|".join(f"({re.escape(c)})" for c in spec.choices)}
+    if spec.kind == "grammar":
+        return {"type": "grammar", "grammar": spec.text}
+    return json.loads(spec.text)["format"]  # structural_tag

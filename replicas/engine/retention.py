@@ -13,6 +13,7 @@ from cache_router.hashing import canonical_message, extend_history_key
 from replicas.cache.retained import RetainedStore
 from replicas.messages import GenerateRequest
 from replicas.reasoning import ThinkState, split_reasoning
+from replicas.tool_calls.reader import ToolCallReader
 
 
 class Retention:
@@ -43,17 +44,24 @@ class Retention:
         if not self.enabled or request.retention == "off" or request.conversation_key is None:
             return
         kept = token_ids + rest_of_terminator(token_ids, request.turn_terminator_ids)
-        for reply in reply_messages(reply_text, request.reasoning):
+        for reply in reply_messages(reply_text, request.reasoning, request.tool_reader):
             self.store.put(extend_history_key(request.conversation_key, reply), request.caller, kept)
 
 
-def reply_messages(reply_text: str, reasoning_state: str | None) -> list[dict]:
-    """The assistant messages a client may send back for this reply. A split reply: its content with the
-    reasoning (as reasoning_content) and without it (most clients drop it); each is a key of the same ids."""
-    if reasoning_state is None:
-        return [canonical_message({"role": "assistant", "content": reply_text})]
-    reasoning, content = split_reasoning(reply_text, ThinkState(reasoning_state))
-    plain = canonical_message({"role": "assistant", "content": content})
+def reply_messages(reply_text: str, reasoning_state: str | None,
+                   tool_reader: ToolCallReader | None = None) -> list[dict]:
+    """The assistant messages a client may send back for this reply, as the ingress formatted it: reasoning
+    split off (kept as reasoning_content, and dropped: most clients drop it; each form a key of the same ids),
+    tool calls parsed out of the content by the same parser (canonical_message keys them by name and
+    arguments as parsed JSON, so a client that re-serialises them still matches)."""
+    reasoning, content = None, reply_text
+    if reasoning_state is not None:
+        reasoning, content = split_reasoning(reply_text, ThinkState(reasoning_state))
+    message = {"role": "assistant", "content": content}
+    if tool_reader is not None and content is not None:
+        content, tool_calls = tool_reader.parse(content)
+        message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+    plain = canonical_message(message)
     return [plain] if reasoning is None else [plain, {**plain, "reasoning_content": reasoning}]
 
 

@@ -166,3 +166,25 @@ def test_next_turn_is_retained_whichever_parts_come_back(qwen3, sent_back):
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+@pytest.mark.parametrize("fixture", ["qwen3", "qwen3_5"])
+def test_json_schema_constrains_the_answer_not_the_reasoning(fixture, request):
+    """Qwen3 (the model may open <think>: an optional free think block, then the schema) and Qwen3.5 (the prompt
+    opened it: free until </think>): the reasoning is the model's own 'x', the content valid JSON."""
+    import json
+
+    import jsonschema
+
+    client = request.getfixturevalue(fixture)
+    response = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=30, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}})
+    message = response.choices[0].message.to_dict()
+    assert message["reasoning_content"] == "x"
+    jsonschema.validate(json.loads(message["content"]), SCHEMA)
+    assert response.choices[0].finish_reason == "stop"

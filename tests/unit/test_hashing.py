@@ -91,8 +91,10 @@ def test_canonical_message_keeps_render_fields_and_drops_none():
            "tool_calls": [{"id": "c1", "type": "function",
                            "function": {"name": "f", "arguments": "{}"}}],
            "reasoning_content": "think"}
-    assert canonical_message(msg) == {"role": "assistant", "tool_calls": [{"name": "f", "arguments": {}}],
-                                      "reasoning_content": "think"}
+    canonical = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}],
+                 "reasoning_content": "think"}
+    assert canonical_message(msg) == canonical
+    assert canonical_message(canonical) == canonical  # idempotent: a replica extends keys with canonical replies
 
 
 def test_a_tool_call_is_keyed_by_what_the_model_wrote_not_how_the_client_serialised_it():

@@ -84,3 +84,27 @@ if __name__ == "__main__":
     import sys
 
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})),
+    StructuredSpec("json_object"), StructuredSpec("regex", "(yes|no)"),
+    StructuredSpec("choice", choices=["a.b", "c"]), StructuredSpec("grammar", 'root ::= "x" | "y"')])
+def test_a_reply_that_may_reason_gets_an_optional_free_think_block_then_the_constraint(spec):
+    """ThinkState.MODEL (Qwen3): one structural tag; it compiles, and holds the answer after </think>."""
+    import xgrammar as xgr
+
+    from replicas.reasoning import ThinkState
+    from serve_app.structured import after_reasoning
+
+    assert after_reasoning(spec, None, [7]) is spec and after_reasoning(spec, ThinkState.CLOSED, [7]) is spec
+    assert after_reasoning(spec, ThinkState.OPEN, [7]).start_after == [7]
+    wrapped = after_reasoning(spec, ThinkState.MODEL, [7])
+    assert wrapped.kind == "structural_tag" and wrapped.start_after is None
+    answer = {"json_schema": '{"a": 1}', "json_object": "{}", "regex": "yes", "choice": "a.b", "grammar": "y"}
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(i) for i in range(32, 127)])).compile_grammar(
+        xgr.Grammar.from_structural_tag(wrapped.text))
+    for text, is_valid in ((answer[spec.kind], True), ("<think>free text</think>\n" + answer[spec.kind], True),
+                           ("<think>x</think>nonsense", False), ("nonsense", False)):
+        matcher = xgr.GrammarMatcher(compiled)
+        assert (matcher.accept_string(text) and matcher.is_completed()) == is_valid, text
