@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from replicas.cpu_isa import cpu_isa
 from replicas.kernels import fused_cpu
-from replicas.kernels.fused_cpu.naive import (naive_add_rms_norm, naive_rms_norm, naive_rotary_embedding,
+from replicas.kernels.fused_cpu.naive import (naive_apply_token_bitmask, naive_add_rms_norm, naive_rms_norm, naive_rotary_embedding,
                                              naive_silu_and_mul)
 from replicas.models.rope import rope_tables
 
@@ -76,3 +76,20 @@ def test_silu_and_mul(rows, x_dtype, out_dtype):
     gate_up = (torch.randn(rows, 2 * 1536) * 4).to(x_dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamps and zero
     assert_close(fused_cpu.silu_and_mul(gate_up, out_dtype), naive_silu_and_mul(gate_up, out_dtype))
+
+
+@pytest.mark.parametrize("vocab", [49152, 100, 37])
+def test_apply_token_bitmask(vocab):
+    """Only the listed rows masked; words of all ones (free text), none (nothing allowed) and mixed bits; a
+    vocabulary that is not a multiple of 32 (the last word's high bits past it)."""
+    torch.manual_seed(vocab)
+    rows, words = 5, -(-vocab // 32)
+    logits = torch.randn(rows, vocab)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows + 1, words), dtype=torch.int32)
+    bitmask[1] = -1  # every token allowed
+    bitmask[2, : words // 2] = 0
+    listed = [0, 1, 2, 4]
+    expected = naive_apply_token_bitmask(logits, bitmask, listed)
+    fused_cpu.apply_token_bitmask_(logits, bitmask, listed)
+    assert torch.equal(logits, expected)
+    assert torch.isinf(logits[2, :16 * (words // 2)]).all() and not torch.isinf(logits[3]).any()

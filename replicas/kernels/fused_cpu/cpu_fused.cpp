@@ -14,6 +14,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <limits>
+
 #include "vec_math.h"
 
 namespace tether {
@@ -138,6 +140,34 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
   });
 }
 
+// logits: [R, V] float32; bitmask: [R, ceil(V / 32)] int32, bit b of word w allows token 32 w + b; rows: the
+// listed rows are masked (a disallowed token's logit becomes -inf), the others left as they are. A word of
+// all ones (the common case inside a string) costs one compare.
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1, "logits");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous() &&
+              bitmask.size(1) * 32 >= logits.size(1) && bitmask.size(0) >= logits.size(0), "bitmask");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(), "rows");
+  const int64_t vocab = logits.size(1), words = bitmask.size(1), num_rows = rows.size(0);
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_rows; ++i)
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < logits.size(0), "apply_token_bitmask: row out of range");
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = logits.data_ptr<float>() + row_ids[i] * logits.stride(0);
+      const uint32_t* mask = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()) + row_ids[i] * words;
+      for (int64_t w = 0; w < words; ++w) {
+        uint32_t word = mask[w];
+        if (word == 0xFFFFFFFFu) continue;
+        const int64_t base = w * 32, top = std::min<int64_t>(32, vocab - base);
+        for (int64_t b = 0; b < top; ++b)
+          if (!((word >> b) & 1u)) row[base + b] = neg_inf;
+      }
+    }
+  });
+}
+
 }  // namespace
 }  // namespace tether
 
@@ -146,6 +176,7 @@ TORCH_LIBRARY(tether_fused, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor h, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) qk, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tether_fused, CPU, m) {
@@ -153,4 +184,5 @@ TORCH_LIBRARY_IMPL(tether_fused, CPU, m) {
   m.impl("add_rms_norm", &tether::add_rms_norm);
   m.impl("rotary_embedding", &tether::rotary_embedding);
   m.impl("silu_and_mul", &tether::silu_and_mul);
+  m.impl("apply_token_bitmask", &tether::apply_token_bitmask);
 }

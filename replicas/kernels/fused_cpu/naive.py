@@ -4,6 +4,7 @@
     naive_add_rms_norm(residual, h, weight, eps, dt)   residual [T, C] float32 += h; -> norm(residual)
     naive_rotary_embedding(qk, positions, cos, sin)    qk: [T, heads, D] -> rotated copy
     naive_silu_and_mul(gate_up, out_dtype)             gate_up: [T, 2I] -> [T, I]
+    naive_apply_token_bitmask(logits, bitmask, rows)   logits: [R, V] -> masked copy
 """
 
 import torch
@@ -35,3 +36,13 @@ def naive_rotary_embedding(qk: torch.Tensor, positions: torch.Tensor, cos: torch
 def naive_silu_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return (F.silu(gate.float()) * up.float()).to(out_dtype)
+
+
+def naive_apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Bit b of bitmask[r, w] allows token 32 w + b of row r (xgrammar's layout); in the listed rows every other
+    token's logit becomes -inf. logits: [R, V] float32; bitmask: [>= R, ceil(V / 32)] int32."""
+    vocab = logits.shape[1]
+    bits = (bitmask[rows].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [n, W, 32]
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(bits.reshape(len(rows), -1)[:, :vocab] == 0, float("-inf"))
+    return out

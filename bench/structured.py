@@ -1,0 +1,158 @@
+"""Structured outputs through Ray Serve: what a grammar costs running streams.
+
+    python bench/structured.py [--model default] [--runs 3] [--tokens 200] [--threads 2]
+
+One Serve app (build_app, one ModelReplica) on this host; medians of --runs alternating runs:
+A. throughput: 8 concurrent chat streams with a json_schema response_format (a schema of 32 required
+   properties, each an object with a patterned string, an array of enums and a bounded integer: long JSON)
+   vs 8 unconstrained (ignore_eos), each --tokens tokens at most; tok/s = completion tokens / wall time.
+   Issue 14's target: constrained >= 0.9x unconstrained.
+B. compilation off the step: 4 unconstrained streams running; their p99 gap between streamed chunks, alone
+   vs while a request whose schema takes >= 100 ms to compile (measured here, on the same tokenizer) is
+   submitted mid-run. Target: within 1.2x.
+Prints the CPU flags first.
+"""
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+QUESTION = [{"role": "user", "content": "Describe an imaginary warehouse inventory in detail."}]
+
+
+def schema(num_properties: int, seed: int) -> dict:
+    """Objects with a patterned code, an array of enums and a bounded score; `seed` makes it unique (no cache)."""
+    props = {f"item_{seed}_{i}": {
+        "type": "object", "additionalProperties": False, "required": ["code", "tags", "score"], "properties": {
+            "code": {"type": "string", "pattern": f"^[A-Z]{{2}}-[0-9]{{{2 + i % 5}}}$"},
+            "tags": {"type": "array", "items": {"enum": [f"t{seed}_{i}_{j}" for j in range(6)]}, "maxItems": 4},
+            "score": {"type": "integer", "minimum": 0, "maximum": 100 + i}}} for i in range(num_properties)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def compile_ms(model_dir: str, spec: dict) -> float:
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)), cache_enabled=False)
+    start = time.perf_counter()
+    compiler.compile_json_schema(json.dumps(spec), any_whitespace=False)
+    return (time.perf_counter() - start) * 1e3
+
+
+async def stream(client, body: dict) -> tuple[int, list[float]]:
+    """-> (completion tokens, arrival times of the chunks that carried text)."""
+    times, num_tokens = [], 0
+    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
+                                                                  "stream_options": {"include_usage": True}}) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+            if any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                times.append(time.perf_counter())
+    return num_tokens, times
+
+
+def body(model: str, tokens: int, **extra) -> dict:
+    return {"model": model, "messages": QUESTION, "max_tokens": tokens, "temperature": 0, **extra}
+
+
+async def throughput(client, model: str, tokens: int, constrained: bool, seed: int) -> float:
+    extra = ({"response_format": {"type": "json_schema", "json_schema": {"name": "inv", "schema": schema(32, 0)}}}
+             if constrained else {"ignore_eos": True})
+    start = time.perf_counter()
+    results = await asyncio.gather(*(stream(client, body(model, tokens, seed=seed + i, **extra)) for i in range(8)))
+    return sum(n for n, _ in results) / (time.perf_counter() - start)
+
+
+async def running_p99(client, model: str, tokens: int, late: str | None, slow_schema: dict | None = None) -> float:
+    """p99 gap between chunks of 4 running streams; `late`: a fifth request arrives mid-run, "free" (no
+    grammar) or "schema" (`slow_schema`, compiled while the four run)."""
+    async def late_arrival():
+        await asyncio.sleep(1.0)
+        extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "slow", "schema": slow_schema}}} \
+            if late == "schema" else {}
+        await stream(client, body(model, 8, **extra))
+
+    tasks = [stream(client, body(model, tokens, ignore_eos=True)) for _ in range(4)]
+    results = await asyncio.gather(*tasks, *([late_arrival()] if late else []))
+    gaps = sorted(b - a for _, times in results[:4] for a, b in zip(times, times[1:]))
+    return gaps[int(0.99 * (len(gaps) - 1))] * 1e3
+
+
+def start_app(args) -> tuple[str, str]:
+    import ray
+    from ray import serve
+
+    from replicas.models.prepare import prepare_model
+    from serve_app.app import build_app
+
+    model_dir = str(prepare_model(args.model, progress=False))
+    ray.init(num_cpus=max(2, args.threads), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    spec = {"model": model_dir, "served_model_name": "bench", "num_replicas": 1, "dtype": args.dtype,
+            "replica_num_cpus": args.threads, "engine": {"num_threads": args.threads}}
+    serve.run(build_app(spec), name="tether", route_prefix="/")
+    return "bench", model_dir
+
+
+async def measure(args, model: str, slow_schema: dict) -> dict:
+    results = {"json": [], "free": [], "p99": [], "p99_late": [], "p99_compile": []}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=600) as client:
+        await throughput(client, model, 16, False, 0)  # warm-up (and the 32-property grammar compiled once)
+        await throughput(client, model, 16, True, 0)
+        for run in range(args.runs):
+            results["free"].append(await throughput(client, model, args.tokens, False, 100 * run))
+            results["json"].append(await throughput(client, model, args.tokens, True, 100 * run))
+            results["p99"].append(await running_p99(client, model, args.tokens, None))
+            results["p99_late"].append(await running_p99(client, model, args.tokens, "free"))
+            results["p99_compile"].append(await running_p99(client, model, args.tokens, "schema",
+                                                            schema(300, 1000 + run)))
+    return {k: statistics.median(v) for k, v in results.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--port", type=int, default=8123)
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from replicas.cpu_isa import cpu_flags, cpu_isa
+
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    print(f"ISA {cpu_isa()}; flags: {' '.join(flags)}; {args.threads} threads")
+    model, model_dir = start_app(args)
+    slow = schema(300, 1000)
+    print(f"the slow schema (300 objects) compiles in {compile_ms(model_dir, slow):.0f} ms here "
+          f"(the 32-object one in {compile_ms(model_dir, schema(32, 0)):.0f} ms)")
+    med = asyncio.run(measure(args, model, slow))
+    print(f"A. 8 streams, {args.tokens} tokens: json_schema {med['json']:.1f} tok/s, unconstrained "
+          f"{med['free']:.1f} tok/s, ratio {med['json'] / med['free']:.2f} (target >= 0.9)")
+    print(f"B. 4 running streams, p99 gap between chunks: {med['p99']:.1f} ms alone, {med['p99_late']:.1f} ms "
+          f"while a fifth request (no grammar) joins, {med['p99_compile']:.1f} ms while one with the slow schema "
+          f"joins (compiling): ratio to alone {med['p99_compile'] / med['p99']:.2f} (target <= 1.2), to the "
+          f"grammar-free arrival {med['p99_compile'] / med['p99_late']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
