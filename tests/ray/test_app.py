@@ -15,12 +15,14 @@ def client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def conversations_covering(replica_ids: list[str], per_replica: int = 2) -> list[str]:
-    """First user messages whose predicted owners cover every replica, `per_replica` each."""
+def conversations_covering(replica_ids: list[str], per_replica: int = 2, label: str = "conversation") -> list[str]:
+    """First user messages whose predicted owners cover every replica, `per_replica` each. `label` starts each
+    text: conversations of one test share their first KV block (system prompt + label), and a block another
+    test left cached on one replica would draw them all there (the router prefers a replica holding a prefix)."""
     chosen: dict[str, list[str]] = {rid: [] for rid in replica_ids}
     i = 0
     while any(len(v) < per_replica for v in chosen.values()):
-        text = f"conversation {i}: tell me about the number {i}"
+        text = f"{label} {i}: tell me about the number {i}"
         key = route_key("", MODEL, messages=[SYSTEM, {"role": "user", "content": text}])
         owner = rendezvous_owner(key, replica_ids)
         if len(chosen[owner]) < per_replica:
@@ -97,7 +99,7 @@ def test_six_interleaved_conversations_stay_on_their_first_replica(serve_app, re
 
     c = client(serve_app)
     histories = {first: [SYSTEM, {"role": "user", "content": first + " (interleaved)"}]
-                 for first in conversations_covering(replica_ids, per_replica=3)}
+                 for first in conversations_covering(replica_ids, per_replica=3, label="interleaved talk")}
     first_replica: dict[str, str] = {}
 
     def turn(first: str, number: int) -> None:
