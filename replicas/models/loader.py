@@ -103,7 +103,7 @@ def _plain_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 def _load_weights(model: torch.nn.Module, model_dir: Path) -> None:
     shards = _shard_targets(model)
     params = _plain_params(model)
-    fused = _fused_names(model)
+    fused = _fused_names(model, shards)
     rename = getattr(model, "checkpoint_name", lambda name: name)
     loaded = set()
     files = sorted(model_dir.glob("*.safetensors"))
@@ -149,10 +149,10 @@ def _shard_targets(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter
     return targets
 
 
-def _fused_names(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter, list[str]]]:
+def _fused_names(model: torch.nn.Module, shards: dict) -> dict[str, tuple[torch.nn.Parameter, list[str]]]:
     """A merged projection's own name (`...qkv_proj.weight`, as Phi-3 stores it) -> (its parameter, the part
-    names it covers); and a stacked experts parameter's (transformers 5's fused layout) likewise."""
-    shards = _shard_targets(model)
+    names it covers); and a stacked experts parameter's (transformers 5's fused layout) likewise. `shards`:
+    _shard_targets(model)."""
     covers: dict[int, list[str]] = {}
     for shard_name, (param, _) in shards.items():
         covers.setdefault(id(param), []).append(shard_name)

@@ -11,6 +11,7 @@ import time
 import jsonschema
 import pytest
 import torch
+import xgrammar as xgr
 
 from replicas.engine.async_engine import AsyncEngine
 from replicas.messages import GenerateRequest, RequestError, SamplingParams, StructuredSpec
@@ -160,9 +161,12 @@ def test_n_sampled_choices_each_hold(engine):
     requests = [GenerateRequest(f"s{i}", PROMPT, SamplingParams(temperature=1.0, seed=i, max_tokens=64,
                                                                 structured=spec("json_schema", json.dumps(SCHEMA))))
                 for i in range(3)]
+    compiled = engine.grammars.compile(requests[0].sampling.structured)
     for deltas in run_deltas(engine, requests).values():
+        text = text_of(deltas)
+        assert xgr.GrammarMatcher(compiled).accept_string(text), text  # held token by token, cut or not
         if deltas[-1].finish_reason == "stop":
-            jsonschema.validate(json.loads(text_of(deltas)), SCHEMA)
+            jsonschema.validate(json.loads(text), SCHEMA)
 
 
 def test_preemption_keeps_the_matchers(make_engine):
