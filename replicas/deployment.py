@@ -24,6 +24,7 @@ from replicas.config import EngineConfig
 from replicas.device import resolve_threads
 from replicas.engine.async_engine import AsyncEngine
 from replicas.engine.engine import Engine
+from replicas.heap import freeze_startup_heap
 from replicas.messages import GenerateRequest
 from replicas.metrics import ReplicaMetrics
 from replicas.models.architectures import check_model_dir
@@ -63,6 +64,7 @@ class ModelReplica:
         logger.info("ModelReplica %s: %s, dtype %s, %d KV blocks, max_model_len %d, %d threads",
                     self.replica_id, config.model, self.engine.engine.dtype,
                     self.engine.engine.block_pool.num_blocks, self.engine.engine.max_model_len, num_threads)
+        freeze_startup_heap(f"ModelReplica {self.replica_id}")
 
     async def generate(self, request: GenerateRequest):
         async for delta in self.engine.generate(request):

@@ -22,6 +22,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from cache_router.router import ConversationRouter
 from replicas.deployment import ModelReplica
+from replicas.heap import freeze_startup_heap
 from replicas.models.architectures import check_model_dir
 from replicas.models.prepare import prepare_model
 from serve_app.backend import HandleBackend
@@ -35,6 +36,7 @@ logger = logging.getLogger("ray.serve")
 class Ingress:
     def __init__(self, config: dict, replicas):
         self.server = OpenAIServer.from_config(AppConfig(**config), HandleBackend(replicas))
+        freeze_startup_heap("Ingress")
 
     def __serve_build_asgi_app__(self):
         return make_api(self.server)

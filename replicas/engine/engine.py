@@ -70,6 +70,7 @@ class Engine:
                                    StateSlotPool(config.max_num_seqs) if self.is_hybrid else None, self.checkpointer)
         # Structured outputs: the bitmask covers the logits' width (the model's vocab_size, which may exceed
         # the tokenizer's); EOS ids end a grammar.
+        self.num_threads = torch.get_num_threads()  # the step thread's (AsyncEngine sets it before building us)
         self.grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                        config.max_num_seqs, config.grammar_compile_threads)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, linear_states,
@@ -129,6 +130,12 @@ class Engine:
                                param="max_tokens", code="context_length_exceeded")
         return room if max_tokens is None else max_tokens
 
+    def _share_cores(self) -> None:
+        """While grammars compile on the pool, this step runs on fewer threads (GrammarManager.step_threads)."""
+        want = self.grammars.step_threads(self.num_threads)
+        if want != torch.get_num_threads():
+            torch.set_num_threads(want)  # per thread under OpenMP: this is the step thread
+
     def add_request(self, request: GenerateRequest, grammar=None) -> None:
         """`grammar`: the request's compiled grammar, when its caller compiled it off this thread
         (AsyncEngine); else a structured request compiles here, blocking (or raises RequestError)."""
@@ -185,6 +192,7 @@ class Engine:
             num_prompt_left = item.request.num_prompt_tokens - item.request.num_computed_tokens
             self.stats.num_prompt_tokens_computed += max(0, min(item.num_tokens, num_prompt_left))
         self.stats.num_prompt_tokens_cached = self.scheduler.num_prompt_tokens_cached
+        self._share_cores()
         output: ModelRunnerOutput = self.runner.run(scheduled)
         for item in scheduled:
             item.request.collected_prompt_logprobs += output.prompt_logprobs.get(item.request.request_id, [])

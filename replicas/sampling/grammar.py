@@ -18,7 +18,6 @@ A batch with no live grammar pays one counter check: nothing per sequence.
 """
 
 import json
-import os
 import re
 import threading
 from collections import OrderedDict
@@ -82,12 +81,13 @@ class GrammarManager:
         self.vocab_size = vocab_size  # the logits' width, which may exceed len(tokenizer)
         self.end_token_ids = sorted(end_token_ids)
         self.num_threads = num_threads
-        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tether-grammar", initializer=_yield_to_steps)
+        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tether-grammar")
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self.bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)  # [S, ceil(V / 32)] int32, host
         self.num_live = 0  # GrammarStates of requests in the engine; 0: the sampler skips this stage
+        self.num_compiling = 0  # compilations running on the pool now (the step leaves each a core)
 
     # -- compilation (any thread) --------------------------------------------
 
@@ -123,6 +123,8 @@ class GrammarManager:
         if spec.kind not in STRUCTURED_KINDS:
             raise RequestError(f"{spec.param}: unknown structured output kind {spec.kind!r}", param=spec.param)
         compiler = self._compiler_once()
+        with self._lock:
+            self.num_compiling += 1
         try:
             # Grammar first, then compile_grammar: xgrammar's compile_json_schema holds the GIL for most of a
             # compilation (a 260 ms schema stalled a Python thread beside it for 170 ms, in runs of up to 37 ms:
@@ -132,6 +134,18 @@ class GrammarManager:
             reason = _XGRAMMAR_LOG_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
             raise RequestError(f"{spec.param}: invalid {_WHAT[spec.kind]}: {reason or type(exc).__name__}",
                                param=spec.param) from None
+        finally:
+            with self._lock:
+                self.num_compiling -= 1
+
+    def step_threads(self, num_threads: int) -> int:
+        """The threads a step may use out of `num_threads` now: one fewer per compilation under way, at
+        least one. A compile thread beside a full OpenMP team takes a core the team's barrier waits on
+        (through Serve on 2 cores, 4 streams' steps took 94-114 ms instead of ~20 while a 300-object schema
+        compiled); a team one thread smaller runs at its own pace beside it. Lower priorities were worse:
+        a nice-19 or idle-class compile thread that holds the GIL when a step thread preempts it stalls
+        that step until a core falls idle, and waits seconds for the host to quiet down."""
+        return max(1, num_threads - self.num_compiling)
 
     @staticmethod
     def _grammar(spec: StructuredSpec) -> xgr.Grammar:
@@ -172,21 +186,6 @@ class GrammarManager:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-# The lowest priority: on a host whose cores the step threads fill, running streams keep their pace and the
-# compiling request waits (2 cores, 4 streams decoding: steps unchanged at nice 19; 25% slower at nice 10, and
-# a 260 ms schema then still took > 3 s).
-COMPILE_NICE = 19
-
-
-def _yield_to_steps() -> None:
-    """Compile threads at COMPILE_NICE (Linux: per-thread nice): a long compilation takes what the step threads
-    leave instead of stretching running streams' steps."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
-    except (AttributeError, OSError):  # not Linux, or not permitted: the default priority
-        pass
 
 
 def grammar_end_wins(processed: torch.Tensor, masked: torch.Tensor, rows: list[int]) -> torch.Tensor:

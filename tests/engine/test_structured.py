@@ -310,6 +310,38 @@ def test_async_engine_compiles_off_the_step_thread(tiny_llama_dir):
         engine.shutdown()
 
 
+def big_schema(num_properties: int) -> dict:
+    """Slow to compile on SmolLM2's vocabulary (300 properties: ~250 ms on a 2-core EPYC)."""
+    props = {f"p{i}": {"type": "object", "required": ["code", "tags"], "additionalProperties": False,
+                       "properties": {"code": {"type": "string", "pattern": f"^[A-Z]{{2}}-[0-9]{{{2 + i % 5}}}$"},
+                                      "tags": {"type": "array", "items": {"enum": [f"t{i}_{j}" for j in range(6)]}}}}
+             for i in range(num_properties)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def test_steps_leave_a_core_to_each_compilation(make_engine):
+    """While a grammar compiles on the pool, a step runs one thread fewer (a full OpenMP team beside a compile
+    thread waits at its barriers); once it is compiled, steps take all their threads again."""
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = make_engine()
+        assert engine.num_threads == 2
+        engine.add_request(greedy("running", PROMPT, 1000))
+        compiling = engine.grammars.submit(spec("json_schema", json.dumps(big_schema(300))))
+        seen_during = set()
+        while not compiling.done():
+            engine.step()
+            seen_during.add(torch.get_num_threads())
+        compiling.result()
+        assert engine.grammars.num_compiling == 0
+        engine.step()
+        assert 1 in seen_during and torch.get_num_threads() == 2, seen_during
+        engine.abort_request("running")
+    finally:
+        torch.set_num_threads(threads_before)
+
+
 def test_async_stream_ends_with_the_error_after_its_deltas(tiny_llama_dir, monkeypatch):
     from replicas.config import EngineConfig
     from replicas.engine.engine import Engine
