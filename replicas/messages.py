@@ -86,6 +86,17 @@ class SamplingParams:
 
 
 @dataclass(slots=True)
+class ImageInput:
+    """One image of a chat request, as the ingress checked it (serve_app/images.py): the encoded bytes (PNG,
+    JPEG or WebP, decoded once there to check them), the size it decoded to, and its identity, which keys
+    the block hashes and the encoder cache (two images of the same size never share a block)."""
+    data: bytes
+    width: int
+    height: int
+    digest: str  # sha256 of `data`, hex
+
+
+@dataclass(slots=True)
 class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
