@@ -50,6 +50,9 @@ class EngineConfig(BaseModel):
     grammar_compile_threads: int = Field(1, ge=1, le=64, description="Structured outputs: threads compiling "
                                          "grammars (a pool beside the step thread; a request waits for its "
                                          "grammar before it is scheduled, the running batch does not).")
+    encoder_cache_bytes: int = Field(256 << 20, ge=0, description="Images: bytes of vision-tower outputs kept by "
+                                     "image identity, so a split prefill, a preemption or the same image again "
+                                     "never re-runs the tower (a hit on the prefix cache never runs it at all).")
     int4_decode: bool = Field(True, description="CPU, bfloat16: linears whose checkpoint weights are 4-bit groups "
                                                 "(GGUF Q4_0/Q4_1) run batches of up to 8 rows on the int4 groups.")
 

@@ -119,6 +119,8 @@ class GenerateRequest:
     # Chat requests with tools (tool_choice not "none"): how the ingress reads the reply for tool calls
     # (replicas/tool_calls/reader.py), so the retained turn is keyed by the calls the client received.
     tool_reader: ToolCallReader | None = None
+    # Chat images, in the order of their placeholders (replicas/engine/images.py expands them).
+    images: list[ImageInput] = field(default_factory=list)
     # Recurrent checkpoints (a later step).
     checkpoint_positions: list[int] = field(default_factory=list)
     # Written by the router (cache_router/router.py): prompt tokens it expects each replica to serve

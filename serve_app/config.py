@@ -33,6 +33,18 @@ class IngressConfig(BaseModel):
         "auto", description="Split chat replies into reasoning_content and content at <think>…</think> "
                             "(serve_app/reasoning.py): 'auto' when the chat template writes <think>, 'think' "
                             "always, 'none' never.")
+    allow_image_urls: bool = Field(
+        False, description="Fetch `image_url` parts given as http(s) URLs (serve_app/images.py); off: only "
+                           "base64 `data:` URIs are accepted. On, the ingress fetches any URL a client names.")
+    max_image_bytes: int = Field(
+        20 * 1024 * 1024, ge=1, description="Most encoded bytes one image may have (decoded from base64 or "
+                                            "fetched; a fetch stops reading past it).")
+    max_image_pixels: int = Field(
+        50_000_000, ge=1, description="Most pixels (width x height) one image may decode to, checked from its "
+                                      "header before decoding; past it: 400. Images over the model's own "
+                                      "size are resized by the replica.")
+    max_images_per_request: int = Field(16, ge=0, description="Most images one chat request may carry.")
+    image_fetch_timeout_s: float = Field(10.0, gt=0, description="How long fetching one image URL may take.")
 
 
 class RouterConfig(BaseModel):

@@ -21,6 +21,7 @@ import torch
 from replicas.engine.attention_groups import build_groups
 from replicas.engine.scheduler import ScheduledRequest
 from replicas.models.forward_batch import ForwardBatch
+from replicas.models.mrope import image_positions
 
 
 class BatchBuilder:
@@ -71,6 +72,7 @@ class BatchBuilder:
         np.subtract(np.arange(num_tokens), np.repeat(cu_seqlens[:num_seqs] - starts, counts), out=positions)
         np.add(tables[rows, positions // self.block_size].astype(np.int64) * self.block_size,
                positions % self.block_size, out=slot_mapping)
+        mrope = self._mrope_positions(scheduled, starts, ends, cu_seqlens, positions)
         self.seqs32.numpy()[:, :num_seqs + 1] = self.seqs.numpy()[:2, :num_seqs + 1]
         to = (lambda t: t) if self.device.type == "cpu" else (lambda t: t.to(self.device, non_blocking=True))
         groups = build_groups(scheduled, cu_seqlens.tolist(), self.block_size, self.device) \
@@ -80,4 +82,17 @@ class BatchBuilder:
             slot_mapping=to(self.tokens[2, :num_tokens]), cu_seqlens=to(self.seqs[0, :num_seqs + 1]),
             groups=groups, logits_indices=to(self.seqs[2, :num_sampling]),
             query_start_loc=to(self.seqs32[0, :num_seqs + 1]), seq_lens=to(self.seqs32[1, :num_seqs]),
-            block_table=to(block_table))
+            block_table=to(block_table), mrope_positions=to(mrope) if mrope is not None else None)
+
+    @staticmethod
+    def _mrope_positions(scheduled, starts, ends, cu_seqlens, positions) -> torch.Tensor | None:
+        """[3, T] (t, h, w) positions when a scheduled sequence has images (replicas/models/mrope.py): its rows
+        follow its images' grids; every other row has its position on all three axes. None: no images."""
+        if not any(item.request.images for item in scheduled):
+            return None
+        mrope = np.repeat(positions[None], 3, axis=0)  # [3, T]
+        for s, (item, start, end) in enumerate(zip(scheduled, starts, ends)):
+            if item.request.images:
+                lo = int(cu_seqlens[s])
+                mrope[:, lo:lo + end - start] = image_positions([im.span for im in item.request.images], start, end)
+        return torch.from_numpy(mrope)

@@ -43,7 +43,11 @@ class IncrementalDetokenizer:
     stopped: bool = False
 
     def __post_init__(self):
-        self._ids = list(self.prompt_token_ids[-NUM_CONTEXT_TOKENS:])
+        context = self.prompt_token_ids[-NUM_CONTEXT_TOKENS:]
+        # An image's tokens lie past the vocabulary (replicas/engine/images.py): context starts after them.
+        num_vocab = len(self.tokenizer)
+        last_image = max((i for i, t in enumerate(context) if t >= num_vocab), default=-1)
+        self._ids = list(context[last_image + 1:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._hold_back = max((len(s) for s in self.stop), default=1) - 1

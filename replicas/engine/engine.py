@@ -28,6 +28,8 @@ from replicas.engine.scheduler import Scheduler
 from replicas.messages import GenerateDelta, GenerateRequest, RequestError
 from replicas.models.gated_deltanet import allocate_linear_states
 from replicas.models.loader import load_model
+from replicas.engine.images import expand_images
+from replicas.engine.vision_encoder import load_vision_encoder
 from replicas.sampling.grammar import GrammarManager
 from replicas.sampling.logprobs import PositionLogprobs
 from replicas.tokenizer import eos_token_ids, load_tokenizer
@@ -71,10 +73,12 @@ class Engine:
         # Structured outputs: the bitmask covers the logits' width (the model's vocab_size, which may exceed
         # the tokenizer's); EOS ids end a grammar.
         self.num_threads = torch.get_num_threads()  # the step thread's (AsyncEngine sets it before building us)
+        # Images (a checkpoint with a vision tower): the processor, the tower and its output cache; else None.
+        self.vision = load_vision_encoder(config.model, self.dtype, config.encoder_cache_bytes)
         self.grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                        config.max_num_seqs, config.grammar_compile_threads)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, linear_states,
-                                  self.grammars)
+                                  self.grammars, self.vision)
         # What the budgets allocated, in bytes (the replica reports them beside its resident memory).
         self.memory = {"num_weight_bytes": tensor_bytes([*self.model.parameters(), *self.model.buffers()]),
                        "num_kv_cache_bytes": tensor_bytes([t for pair in kv_caches for t in pair]),
@@ -112,8 +116,11 @@ class Engine:
         if num_prompt == 0:
             raise RequestError("the prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
+        images = request.images and self.vision is not None  # their tokens lie past the vocabulary
+        if any(not 0 <= t < vocab for t in prompt_token_ids if not (images and t >= vocab)):
             raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if images and request.sampling.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs are not available for prompts with images", param="prompt_logprobs")
         if any(not 0 <= t < vocab for t in request.sampling.logit_bias):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         spec = request.sampling.structured
@@ -142,12 +149,13 @@ class Engine:
         if request.request_id in self.requests:
             raise RequestError(f"request id {request.request_id!r} is already running", param="request_id")
         prompt, num_retained, retention = self.retention.resolve(request, self.max_model_len)
+        prompt, images, to_expanded = self._expand_images(request, prompt)
         max_tokens = self.check_request(request, prompt)
         spec = request.sampling.structured
         if spec is not None and grammar is None:
             grammar = self.grammars.compile(spec)
         req = Request(request.request_id, prompt, request.sampling, max_tokens, self.eos_token_ids,
-                      num_retained_tokens=num_retained, retention=retention)
+                      num_retained_tokens=num_retained, retention=retention, images=images)
         if spec is not None:
             req.grammar = self.grammars.new_state(spec, grammar)
         self.requests[req.request_id] = req
@@ -155,9 +163,26 @@ class Engine:
         self.outputs[req.request_id] = RequestOutput(req, self.tokenizer, self.token_texts, self.reasoning_end_id)
         if self.checkpointer is not None:
             # The history boundary: where the kept ids end, or where the new messages start in the render.
-            boundary = num_retained or (request.new_turn_span[0] if request.new_turn_span else 0)
-            self.checkpointer.plan(req, [boundary, *request.checkpoint_positions])
+            boundary = num_retained or to_expanded(request.new_turn_span[0] if request.new_turn_span else 0)
+            self.checkpointer.plan(req, [boundary, *map(to_expanded, request.checkpoint_positions)])
         self.scheduler.add(req)
+
+    def _expand_images(self, request: GenerateRequest, prompt: list[int]):
+        """-> (the prompt with its images' tokens, the images, a map from positions in `prompt` to positions
+        in the expanded one). Prompts without images pass through."""
+        vision = self.vision
+        if not request.images and (vision is None or vision.image_token_id not in prompt):
+            return prompt, [], lambda p: p
+        if vision is None:
+            raise RequestError("messages: this model takes no images", param="messages")
+        expanded, images = expand_images(prompt, request.images, vision.processor, vision.image_token_id,
+                                         self.model_config.vocab_size)
+        # Placeholders (one token each, before expansion) sit at the images' starts less what earlier ones added.
+        added, places = 0, []
+        for image in images:
+            places.append((image.span.start - added, image.span.num_tokens - 1))
+            added += image.span.num_tokens - 1
+        return expanded, images, lambda p: p + sum(extra for place, extra in places if place < p)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)

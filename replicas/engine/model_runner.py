@@ -38,13 +38,15 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 device: torch.device, linear_states: list[LinearLayerState] | None = None, grammars=None):
+                 device: torch.device, linear_states: list[LinearLayerState] | None = None, grammars=None,
+                 vision=None):
         self.model = model
         self.kv_caches = kv_caches
         self.linear_states = linear_states  # hybrid models: per linear layer, state tensors indexed by slot
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(grammars)
+        self.vision = vision  # replicas/engine/vision_encoder.py VisionEncoder, for a model that takes images
         # The PyTorch attention path's padded groups are built only where no native attention op runs.
         self.batch_builder = BatchBuilder(block_size, device, build_groups=not uses_native_attention(model, device))
 
@@ -113,4 +115,24 @@ class ModelRunner:
         return out
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ForwardBatch:
-        return self.batch_builder.build(scheduled)
+        batch = self.batch_builder.build(scheduled)
+        if batch.mrope_positions is not None:
+            batch.image_embeds = self._image_embeds(scheduled)
+        return batch
+
+    def _image_embeds(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's image tokens: (rows [K], their vision features [K, hidden]); the tower runs only for
+        images whose tokens this step computes and whose features are not cached."""
+        rows, features, offset = [], [], 0
+        for item in scheduled:
+            start = item.request.num_computed_tokens
+            end = start + item.num_tokens
+            for image in item.request.images:
+                lo, hi = max(image.span.start, start), min(image.span.end, end)
+                if lo < hi:
+                    rows.append(torch.arange(offset + lo - start, offset + hi - start))
+                    features.append(self.vision.features(image)[lo - image.span.start:hi - image.span.start])
+            offset += item.num_tokens
+        if not rows:
+            return None
+        return torch.cat(rows).to(self.device), torch.cat(features).to(self.device)

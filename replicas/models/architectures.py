@@ -21,6 +21,7 @@ SUPPORTED: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForCausalLM": "qwen3_5",  # text-only checkpoints (model_type qwen3_5_text)
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # with its vision tower: images in chat
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
     "Phi3ForCausalLM": "phi3",
@@ -46,7 +47,6 @@ CLOSEST: dict[str, str] = {
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
     "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM": "Qwen3_5MoeForCausalLM",
-    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
     "PhiForCausalLM": "Phi3ForCausalLM",
     "Phi3SmallForCausalLM": "Phi3ForCausalLM",
@@ -73,10 +73,9 @@ CLOSEST_WHY: dict[str, str] = {
     "Qwen3VLMoeForConditionalGeneration": f"its text model is Qwen3-MoE; {_NO_IMAGES}",
     "Qwen3NextForCausalLM": "the hybrid Gated DeltaNet + attention MoE that Qwen3.5 grew from; its checkpoints "
                             "do not load as Qwen3.5",
-    "Qwen3_5ForConditionalGeneration": f"the same model with a vision tower; {_NO_IMAGES}; a text-only "
-                                       "checkpoint (model_type qwen3_5_text) loads",
-    "Qwen3_5MoeForConditionalGeneration": f"the same model with a vision tower; {_NO_IMAGES}; a text-only "
-                                          "checkpoint loads",
+    "Qwen3_5MoeForConditionalGeneration": "the MoE sibling with a vision tower: its images are not supported "
+                                          "yet; a text-only checkpoint loads, and Qwen3_5ForConditionalGeneration "
+                                          "(dense) takes images",
     "PhiForCausalLM": "Phi-1 and Phi-2 use a different layer layout; Phi-3 and Phi-4-mini checkpoints load",
     "Phi3SmallForCausalLM": "Phi-3-small uses block-sparse attention; Phi-3-mini and -medium load",
     "Phi3VForCausalLM": f"its text model is Phi-3; {_NO_IMAGES}",

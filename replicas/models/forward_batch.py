@@ -19,3 +19,7 @@ class ForwardBatch:
     query_start_loc: torch.Tensor | None = None  # [S + 1] int32, cu_seqlens for the native attention op
     seq_lens: torch.Tensor | None = None  # [S] int32, keys of sequence s after this step
     block_table: torch.Tensor | None = None  # [S, N] int32, sequence s's KV blocks (padded with 0)
+    # Images (M-RoPE models): every token's (t, h, w) positions, set when a scheduled sequence has images.
+    mrope_positions: torch.Tensor | None = None  # [3, T] int64
+    # Image tokens of the step: their rows and the vision features that replace their embeddings.
+    image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # rows [K] int64, features [K, hidden]

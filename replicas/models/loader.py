@@ -37,6 +37,7 @@ ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its language model; the vision weights are skipped
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,  # text-only checkpoints (model_type qwen3_5_text)
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,  # model_type qwen3_5_moe_text
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,  # its language model; the engine loads the vision tower
 }
 
 

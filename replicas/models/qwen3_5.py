@@ -22,6 +22,7 @@ from replicas.models.forward_batch import ForwardBatch
 from replicas.models.gated_deltanet import GatedDeltaNet, LinearStateBatch
 from replicas.models.layers import SwiGLU, ZeroCenteredRMSNorm
 from replicas.models.moe import SparseMoeBlock
+from replicas.models.mrope import mrope_columns, mrope_sections
 from replicas.models.rope import RotaryEmbedding, StepRope, check_rope
 
 
@@ -87,10 +88,12 @@ class Qwen3_5TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t) for t in config.layer_types)
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mrope_sections = mrope_sections(config)  # images: the rotary's (t, h, w) layout
 
     def forward(self, input_ids, positions, kv_caches, batch, linear_state: LinearStateBatch | None):
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary.step_rope(positions)
+        x = self.embed(input_ids, batch)  # [T, hidden]
+        rope = self.rotary.step_rope(positions) if batch.mrope_positions is None else \
+            self.rotary.step_mrope(batch.mrope_positions, mrope_columns(self.rotary.rotary_dim, self.mrope_sections))
         kv_iter = iter(kv_caches)
         state_iter = iter(linear_state.layers) if linear_state is not None else None
         for layer in self.layers:
@@ -101,10 +104,20 @@ class Qwen3_5TextModel(nn.Module):
                 x = layer(rope, x, batch, kv_cache=next(kv_iter))
         return self.norm(x)
 
+    def embed(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Token embeddings [T, hidden]; an image's tokens (ids past the vocabulary, one value per image:
+        replicas/engine/images.py) take their vision features instead."""
+        if batch.image_embeds is None:
+            return self.embed_tokens(input_ids)
+        rows, features = batch.image_embeds  # [K], [K, hidden]
+        x = self.embed_tokens(input_ids.index_fill(0, rows, 0))
+        return x.index_copy_(0, rows, features.to(x.dtype))
+
 
 class Qwen3_5ForCausalLM(nn.Module):
     def __init__(self, config):
         super().__init__()
+        config = getattr(config, "text_config", None) or config  # Qwen3_5ForConditionalGeneration: its text model
         check_supported(config)
         self.config = config
         self.model = Qwen3_5TextModel(config)
@@ -124,6 +137,15 @@ class Qwen3_5ForCausalLM(nn.Module):
         """-> hidden states [T, hidden]. kv_caches: one (k, v) per full-attention layer. linear_state: the step's
         slots, read and updated in place; None: every sequence starts from zeros and no state is kept."""
         return self.model(input_ids, positions, kv_caches, batch, linear_state)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """A Qwen3_5ForConditionalGeneration checkpoint's name -> ours (`model.language_model.` -> `model.`);
+        None for the vision tower's, which replicas/models/qwen3_5_vision.py loads."""
+        if name.startswith(("model.visual.", "visual.")):
+            return None
+        return "model." + name.removeprefix("model.language_model.") if name.startswith("model.language_model.") \
+            else name
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> logits [S, vocab] in float32

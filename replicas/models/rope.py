@@ -89,6 +89,15 @@ class RotaryEmbedding(nn.Module):
         cos, sin = rope_tables(self.config, self.max_position, self.layer_type)
         self.cos, self.sin = cos.to(device), sin.to(device)
 
+    def step_mrope(self, positions: torch.Tensor, columns: torch.Tensor) -> "StepRope":
+        """M-RoPE (replicas/models/mrope.py): positions [3, T] (t, h, w of each token), columns [R] the axis
+        each rotary column reads. Rotated by the PyTorch path (gathered tables)."""
+        num_tokens, width = positions.shape[1], self.cos.shape[-1]
+        index = columns.to(positions.device).view(1, 1, width).expand(1, num_tokens, width)
+        cos = self.cos[positions].gather(0, index)[0]  # [3, T, R] -> [T, R]
+        sin = self.sin[positions].gather(0, index)[0]
+        return StepRope(positions[0], self.cos, self.sin, (cos.unsqueeze(1), sin.unsqueeze(1)))
+
     def step_rope(self, positions: torch.Tensor) -> "StepRope":
         """What every layer of one step rotates with: the native op reads the whole tables at `positions`;
         the PyTorch path gathers them once per step."""
