@@ -2,6 +2,7 @@
 
     python bench/multiturn.py [--turns 8] [--reply-tokens 32] [--reps 3] [--dtype auto]
     python bench/multiturn.py --hybrid      # a random-weight Qwen3.5-text hybrid: state checkpoints on vs off
+    python bench/multiturn.py --images      # the hybrid with a vision tower, an image in turn 1 (Qwen3.5 template)
 
 Three local servers (the production routes over one in-process replica each, no
 Ray), one per mode, run one after another on the same 8-turn conversation
@@ -30,6 +31,8 @@ HYBRID_CONFIG = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
                      linear_key_head_dim=64, linear_value_head_dim=64,
                      layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
                      + ["full_attention"])
+IMAGE_MODES = {"an image in turn 1": ({}, True)}
+IMAGE_SIZE = (320, 240)  # pixels; the preprocessor (max 64 merged tokens) resizes it down
 MODES = {  # name -> (engine overrides, per-request retain_token_ids)
     "retention on": ({}, True),
     "retention off": ({}, False),
@@ -46,11 +49,29 @@ def user_turn(rep: int, k: int) -> str:
             f"why visitors like it, and one practical tip for a first visit, in plain and friendly words.")
 
 
+def image_turn(text: str, seed: int) -> dict:
+    """A user message with one image (random pixels, one image per conversation: the model is random too)
+    before the text."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (IMAGE_SIZE[1], IMAGE_SIZE[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                        {"type": "text", "text": text}]}
+
+
 def one_turn(client, model: str, messages: list[dict], reply_tokens: int, retain: bool) -> tuple[str, dict, float]:
     start = time.perf_counter()
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=reply_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"retain_token_ids": retain})
+        stream_options={"include_usage": True},
+        extra_body={"retain_token_ids": retain, "chat_template_kwargs": {"enable_thinking": False}})
     ttft, text, usage = None, "", None
     for chunk in stream:
         ttft = ttft or time.perf_counter() - start
@@ -68,12 +89,16 @@ def run_mode(server: LocalServer, model: str, args, retain: bool) -> list[list[d
     for rep in range(args.reps):
         messages, rows = [], []
         for k in range(args.turns):
-            messages.append({"role": "user", "content": user_turn(rep, k)})
-            before = server.replica.engine_stats()["num_prompt_tokens_computed"]
+            with_image = args.images and k == 0
+            turn = user_turn(rep, k)
+            messages.append(image_turn(turn, rep) if with_image else {"role": "user", "content": turn})
+            before = server.replica.engine_stats()
             text, usage, ttft = one_turn(client, model, messages, args.reply_tokens, retain)
-            prefilled = server.replica.engine_stats()["num_prompt_tokens_computed"] - before
+            after = server.replica.engine_stats()
             rows.append({"prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"],
-                         "completion": usage["completion_tokens"], "prefilled": prefilled, "ttft": ttft})
+                         "completion": usage["completion_tokens"], "ttft": ttft,
+                         "prefilled": after["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"],
+                         "vision": after["num_vision_runs"] - before["num_vision_runs"]})
             messages.append({"role": "assistant", "content": text})
         reps.append(rows)
     return reps
@@ -88,12 +113,14 @@ def report(name: str, reps: list[list[dict]], turns: int, block_size: int) -> No
     med = lambda key, k: statistics.median(r[k][key] for r in reps)  # noqa: E731
     within = all(r[k]["prefilled"] <= new_tokens(r, k) + block_size for r in reps for k in range(turns))
     print(f"\n{name}")
-    print(f"{'turn':>4} {'prompt':>7} {'new':>5} {'cached':>7} {'prefilled':>9} {'ttft ms':>8}")
+    print(f"{'turn':>4} {'prompt':>7} {'new':>5} {'cached':>7} {'prefilled':>9} {'ttft ms':>8} {'vision runs':>11}")
     for k in range(turns):
         print(f"{k + 1:>4} {med('prompt', k):>7.0f} {statistics.median(new_tokens(r, k) for r in reps):>5.0f} "
-              f"{med('cached', k):>7.0f} {med('prefilled', k):>9.0f} {med('ttft', k) * 1000:>8.0f}")
+              f"{med('cached', k):>7.0f} {med('prefilled', k):>9.0f} {med('ttft', k) * 1000:>8.0f} "
+              f"{med('vision', k):>11.0f}")
     print(f"ttft turn {turns} / turn 1: {med('ttft', turns - 1) / med('ttft', 0):.2f}x; "
-          f"prefilled <= new + one block ({block_size}) on every turn of every conversation: {within}")
+          f"prefilled <= new + one block ({block_size}) on every turn of every conversation: {within}; "
+          f"vision tower runs per conversation: {sorted({sum(row['vision'] for row in r) for r in reps})}")
 
 
 def random_hybrid(tokenizer_model: str) -> str:
@@ -110,6 +137,26 @@ def random_hybrid(tokenizer_model: str) -> str:
     return str(make_tiny_qwen3_5(out, prepare_model(tokenizer_model, progress=False), **HYBRID_CONFIG))
 
 
+def random_vision_hybrid(tokenizer_model: str) -> str:
+    """The --hybrid model's text part with a small vision tower and Qwen3.5's published chat template."""
+    import sys
+    from pathlib import Path
+
+    from replicas.models.prepare import default_cache_dir, prepare_model
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    from tests.tiny_vision import make_tiny_qwen3_5_vl
+
+    text = {**HYBRID_CONFIG, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
+                                                 "mrope_interleaved": True}}
+    template = (root / "tests" / "data" / "chat_templates" / "qwen3_5.jinja").read_text()
+    out = default_cache_dir() / "models" / "random-qwen3_5-vl-576"
+    return str(make_tiny_qwen3_5_vl(out, prepare_model(tokenizer_model, progress=False), text_overrides=text,
+                                    chat_template=template))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -118,11 +165,15 @@ def main() -> None:
     parser.add_argument("--reply-tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--hybrid", action="store_true", help="a random-weight Qwen3.5-text hybrid model")
+    parser.add_argument("--images", action="store_true", help="the hybrid with a vision tower, an image in turn 1")
     args = parser.parse_args()
     if args.hybrid:
         args.model = random_hybrid(args.model)
+    if args.images:
+        args.model = random_vision_hybrid(args.model)
+    modes = IMAGE_MODES if args.images else HYBRID_MODES if args.hybrid else MODES
     results = {}
-    for name, (engine, retain) in (HYBRID_MODES if args.hybrid else MODES).items():
+    for name, (engine, retain) in modes.items():
         config = AppConfig(model=args.model, dtype=args.dtype, engine={"num_threads": 2, **engine})
         server = LocalServer(config)
         try:

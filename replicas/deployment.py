@@ -102,6 +102,7 @@ class ModelReplica:
                 "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
                 "num_preemptions": engine.scheduler.num_preemptions, **self.routing, **engine.memory,
                 "num_checkpoint_bytes": engine.checkpointer.pool.num_bytes if engine.checkpointer else 0,
+                "num_vision_runs": engine.vision.num_runs if engine.vision else 0,
                 "num_resident_bytes": psutil.Process().memory_info().rss}
 
     def record_routing_stats(self) -> dict:

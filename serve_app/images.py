@@ -196,3 +196,14 @@ def _checked_image(data: bytes, param: str, max_pixels: int) -> ImageInput:
 def _too_many_pixels(param: str, num_pixels: str, max_pixels: int) -> RequestError:
     return RequestError(f"{param}: the image has {num_pixels} pixels; the limit is {max_pixels} "
                         f"(ingress.max_image_pixels)", param=param)
+
+
+def mark_images(messages: list[dict], images: list[ImageInput]) -> None:
+    """Gives each {"type": "image"} part of the template's messages (protocol.ChatMessage.for_template) its
+    image's digest, in order: the template ignores it; the conversation and routing keys hash it, so two
+    conversations that differ only in an image never share kept ids or a route."""
+    queue = iter(images)
+    for message in messages:
+        for part in message.get("content") if isinstance(message.get("content"), list) else []:
+            if part.get("type") == "image":
+                part["image_digest"] = next(queue).digest

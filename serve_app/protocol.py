@@ -19,6 +19,7 @@ from serve_app.tools.validation import check_tool_choice, check_tools
 # OpenAI fields not honoured: a request that sets one is refused, naming it.
 NOT_SUPPORTED = ("functions", "function_call", "prediction", "audio", "modalities")
 TEXT_PART_TYPES = ("text", "input_text")
+IMAGE_PART_TYPE = "image_url"  # checked and loaded by serve_app/images.py (user messages only)
 
 
 def _is_unset(value) -> bool:
@@ -48,9 +49,14 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None
 
     def for_template(self) -> dict:
-        """The message as chat templates expect it: text parts joined into one string."""
+        """The message as chat templates expect it: text parts joined into one string; with images, the parts
+        as a list, each image as {"type": "image"} (the template writes the model's one placeholder token for
+        it; the ingress adds the image's digest: serve_app/images.py mark_images)."""
         out = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
+        if isinstance(self.content, list) and any(p.get("type") == IMAGE_PART_TYPE for p in self.content):
+            out["content"] = [{"type": "image"} if p.get("type") == IMAGE_PART_TYPE
+                              else {"type": "text", "text": p.get("text", "")} for p in self.content]
+        elif isinstance(self.content, list):
             out["content"] = "\n".join(part.get("text", "") for part in self.content)
         if "reasoning" in out and "reasoning_content" not in out:  # vLLM's newer name: templates read the older
             out["reasoning_content"] = out.pop("reasoning")
@@ -220,9 +226,9 @@ class ChatCompletionRequest(SamplingFields):
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         for i, message in enumerate(self.messages):
             for j, part in enumerate(message.content if isinstance(message.content, list) else []):
-                if part.get("type") not in TEXT_PART_TYPES:
-                    raise FieldError(f"messages[{i}].content[{j}]",
-                                       f"content part type {part.get('type')!r} is not supported (text only)")
+                if part.get("type") not in (*TEXT_PART_TYPES, IMAGE_PART_TYPE):
+                    raise FieldError(f"messages[{i}].content[{j}]", f"content part type {part.get('type')!r} is "
+                                                                     "not supported (text and image_url)")
         return self
 
     def num_logprobs(self) -> int | None:

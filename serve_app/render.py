@@ -11,7 +11,10 @@ For a chat turn it also finds what retention needs (replicas/engine/retention.py
                the last history message's content, exactly, or the turn falls back to (b).
 """
 
+import json
 import logging
+import os
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -24,6 +27,16 @@ logger = logging.getLogger("ray.serve")
 
 SENTINEL = "\u2063tether\u2063sentinel\u2063"
 FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+
+
+def image_token_id(model_dir: str, tokenizer) -> int | None:
+    """The placeholder the chat template writes per image, for a checkpoint with a vision tower; else None."""
+    path = os.path.join(model_dir, "config.json")
+    config = json.load(open(path)) if os.path.exists(path) else {}
+    token = config.get("image_token_id")
+    if "vision_config" not in config or token is None:
+        return None
+    return int(token)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -47,9 +60,17 @@ class ChatRender:
     retention: str = "off"
 
 
+# The vision control tokens: written by the template only. Typed into a message they are text (seed 001).
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+_LITERAL = re.compile("\ue000([0-9])\ue001")  # a message's literal vision token, until encode
+
+
 class Renderer:
     def __init__(self, model_dir: str):
         self.tokenizer = load_tokenizer(model_dir)
+        self.image_token_id = image_token_id(model_dir, self.tokenizer)  # None: the model takes no images
+        vocab = self.tokenizer.get_vocab()
+        self._literals = [token for token in VISION_TOKENS if token in vocab]
         self._terminator: tuple[str, list[int]] | None = None
         self._byte_decoder = {ch: b for b, ch in bytes_to_unicode().items()}
         self._token_bytes: dict[int, list[int]] = {}
@@ -73,6 +94,7 @@ class Renderer:
             raise RequestError("this model has no chat template; use /v1/completions", param="messages")
         if uses_tools(messages, tools) and not self.supports_tools:
             messages, tools = hermes_messages(messages, tools), None
+        messages = self._escape_literals(messages)
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -96,8 +118,39 @@ class Renderer:
         return supported
 
     def encode(self, text: str) -> list[int]:
-        # Rendered text holds its special tokens already: add none.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # Rendered text holds its special tokens already: add none. A vision token a message typed
+        # (escaped by render_text) is encoded as the text it is, never as the token.
+        if not self._literals or "\ue000" not in text:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        ids, pieces = [], _LITERAL.split(text)
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False) if piece else []
+            else:
+                ids += self.tokenizer(self._literals[int(piece)], add_special_tokens=False,
+                                      split_special_tokens=True)["input_ids"]
+        return ids
+
+    def _escape_literals(self, messages: list[dict]) -> list[dict]:
+        """Messages whose text holds a vision token string, with each replaced by a private marker (encode
+        turns it back into that string's text tokens)."""
+        if not self._literals:
+            return messages
+
+        def escape(text):
+            if not isinstance(text, str) or not any(token in text for token in self._literals):
+                return text
+            for k, token in enumerate(self._literals):
+                text = text.replace(token, f"\ue000{k}\ue001")
+            return text
+
+        out = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, list):
+                content = [{**part, "text": escape(part["text"])} if "text" in part else part for part in content]
+            out.append({**message, "content": escape(content)} if content is not None else message)
+        return out
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:

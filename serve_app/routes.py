@@ -14,11 +14,12 @@ from fastapi import Depends, FastAPI, Request
 
 from cache_router.hashing import route_key
 from replicas.config import read_max_position_embeddings
-from replicas.messages import GenerateRequest, RequestError, StructuredSpec, as_request_error
+from replicas.messages import GenerateRequest, ImageInput, RequestError, StructuredSpec, as_request_error
 from replicas.models.prepare import prepare_model
 from serve_app.backend import DEPLOYMENT_FAILED
 from serve_app.config import AppConfig
 from serve_app.fanout import REPLICA_HEADER, FanOut
+from serve_app.images import ImageLimits, load_images, mark_images
 from serve_app.metrics import IngressMetrics, install_metrics
 from serve_app.errors import error_response, install_error_handlers
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
@@ -46,6 +47,7 @@ class OpenAIServer:
         self.reasoning = ReasoningParser(config.ingress.reasoning_parser, renderer.tokenizer)
         self._tool_parser: str | None = None
         self._asked_replicas = False
+        self.image_limits = ImageLimits.from_config(config.ingress)
 
     @classmethod
     def from_config(cls, config: AppConfig, backend) -> "OpenAIServer":
@@ -136,15 +138,19 @@ class OpenAIServer:
         self.check_model(body.model)
         self.check_deployment_limits(body)
         await self.sync_limits()
+        images = await self.chat_images(body)
         messages = [m.for_template() for m in body.messages]
+        mark_images(messages, images)
         render = self.renderer.render_turn(messages, body.add_generation_prompt, body.chat_template_kwargs,
                                            caller, self.model_name, self.retains(body), body.continue_final_message,
                                            body.tools)
+        self.check_placeholders(render.prompt_token_ids, images)
         key = route_key(caller, self.model_name, messages=messages, block_size=self.block_size)
         requests = self.generate_requests(body, render.prompt_token_ids, caller, key, "messages",
                                           body.num_logprobs(), None)
         think = self.reasoning.state(render.prompt_token_ids, body.continue_final_message)
         for request in requests:
+            request.images = images
             self._attach_retention(request, render)
             request.reasoning = think and think.value
             if request.sampling.structured is not None:  # the answer is constrained, never the reasoning
@@ -156,6 +162,27 @@ class OpenAIServer:
                              token_bytes=self.renderer.token_bytes, think=think,
                              include_reasoning=body.include_reasoning, tools=tools)
         return await self.fanout.respond(requests, fmt, body.stream, start)
+
+    async def chat_images(self, body: ChatCompletionRequest) -> list[ImageInput]:
+        """The request's images, loaded and checked (serve_app/images.py); a model without a vision tower
+        refuses the first image part."""
+        first = next((f"messages[{i}].content[{j}]" for i, m in enumerate(body.messages)
+                      for j, part in enumerate(m.content if isinstance(m.content, list) else [])
+                      if part.get("type") == "image_url"), None)
+        if first is None:
+            return []
+        if self.renderer.image_token_id is None:
+            raise RequestError(f"{first}: model {self.model_name!r} takes no images", param=first)
+        return await load_images(body.messages, self.image_limits)
+
+    def check_placeholders(self, prompt_token_ids: list[int], images: list[ImageInput]) -> None:
+        """One placeholder token per image, written by the template: any other count is an error."""
+        if self.renderer.image_token_id is None:
+            return
+        count = prompt_token_ids.count(self.renderer.image_token_id)
+        if count != len(images):
+            raise RequestError(f"messages: the chat template wrote {count} image placeholder(s) for {len(images)} "
+                               "image(s)", param="messages")
 
     @property
     def tool_parser(self) -> str:
@@ -205,6 +232,9 @@ class OpenAIServer:
             ids = self.renderer.fim_prompt(body.prompt, body.suffix)
         else:
             ids = self.renderer.encode_prompt(body.prompt)
+        if self.renderer.image_token_id is not None and self.renderer.image_token_id in ids:
+            raise RequestError(f"prompt: token {self.renderer.image_token_id} is the image placeholder; images go "
+                               "in chat messages (image_url parts)", param="prompt")
         key = route_key(caller, self.model_name, token_ids=ids, block_size=self.block_size,
                         num_route_blocks=self.config.router.num_route_blocks)
         requests = self.generate_requests(body, ids, caller, key, "prompt", body.logprobs,

@@ -29,9 +29,12 @@ TINY_PREPROCESSOR = dict(patch_size=16, merge_size=2, temporal_patch_size=2,
                          image_processor_type="Qwen2VLImageProcessor")
 
 
-def make_tiny_qwen3_5_vl(path: Path, text_dir_for_tokenizer: Path | None = None, seed: int = 0) -> Path:
+def make_tiny_qwen3_5_vl(path: Path, text_dir_for_tokenizer: Path | None = None, seed: int = 0,
+                         text_overrides: dict | None = None, chat_template: str | None = None) -> Path:
     """Writes config.json, model.safetensors (`model.visual.*`, `model.language_model.*`, `lm_head.*`),
-    preprocessor_config.json and, with text_dir_for_tokenizer, the tokenizer files to path; returns path."""
+    preprocessor_config.json and, with text_dir_for_tokenizer, the tokenizer files to path (with
+    `chat_template` as its template, if given); returns path. `text_overrides` change the text model (a
+    bigger one for bench/multiturn.py --images; its rope_parameters must carry an mrope_section that fits)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     path = Path(path)
@@ -43,6 +46,7 @@ def make_tiny_qwen3_5_vl(path: Path, text_dir_for_tokenizer: Path | None = None,
             "eos_token_id": getattr(tokenizer, "eos_token_id", None)}
     # head_dim 32 * partial_rotary_factor 0.25 = 8 rotary dims, 4 frequencies: interleaved t, h, w, t
     text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    text.update(text_overrides or {})
     vision = {**TINY_VISION, "out_hidden_size": text["hidden_size"]}
     config = Qwen3_5Config(text_config=text, vision_config=vision, **token_ids)
     torch.manual_seed(seed)
@@ -52,6 +56,7 @@ def make_tiny_qwen3_5_vl(path: Path, text_dir_for_tokenizer: Path | None = None,
     model.save_pretrained(str(path), safe_serialization=True)
     (path / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2))
     if tokenizer is not None:
+        tokenizer.chat_template = chat_template or tokenizer.chat_template
         tokenizer.save_pretrained(str(path))
     return path
 

@@ -30,9 +30,10 @@ def load_vision_encoder(model_dir: str, dtype: torch.dtype, max_cache_bytes: int
     if tower is None:
         return None
     processor = ImageProcessor.from_model_dir(model_dir)
-    logger.info("vision tower: %d blocks, %s; images to %d-token-per-%dx%d-patch grids, merge %d",
-                len(getattr(tower, "blocks", [])), str(dtype).removeprefix("torch."), 1, processor.patch_size,
-                processor.patch_size, processor.merge_size)
+    side = processor.patch_size * processor.merge_size
+    logger.info("vision tower: %d blocks, %s; one image token per %dx%d pixels, features cache %d MiB",
+                len(getattr(tower, "blocks", [])), str(dtype).removeprefix("torch."), side, side,
+                max_cache_bytes >> 20)
     return VisionEncoder(tower.eval(), processor, int(config["image_token_id"]), dtype, max_cache_bytes)
 
 

@@ -34,7 +34,7 @@ def test_chat_bad_values_name_their_field(field, value):
     ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt (default)
     ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # no final assistant
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                {"type": "image_url", "image_url": {"url": "x"}}]}]},
+                                                {"type": "input_audio", "input_audio": {"data": "x"}}]}]},
      "messages[0].content[1]"),
 ])
 def test_cross_field_checks_name_the_field_they_blame(body, field):
