@@ -197,3 +197,25 @@ def test_later_turns_reuse_the_image_from_cache(vl_dir, reference, ids):
         new = text(40 + turn, 4)
         prompt = prompt + reply + new
     assert engine.vision.num_runs == 1
+
+
+def test_preemption_recomputes_images_exactly(vl_dir):
+    """A KV pool too small for all four: sequences are preempted and recomputed, images and M-RoPE included;
+    tokens equal a roomy run's."""
+    images = [make_image(64 + 32 * k, 96, 50 + k) for k in range(4)]
+
+    def requests():
+        return [request(f"r{k}", with_image(ids_of(vl_dir), text(60 + k, 5 + k), "IMG", text(70 + k, 3)), [image],
+                        max_tokens=24) for k, image in enumerate(images)]
+
+    roomy = run(Engine(EngineConfig(model=str(vl_dir), dtype="float32")), requests())
+    tight = Engine(EngineConfig(model=str(vl_dir), dtype="float32", num_kv_blocks=24, block_size=4, max_num_seqs=4))
+    assert run(tight, requests()) == roomy
+    assert tight.scheduler.num_preemptions > 0
+
+
+def ids_of(vl_dir) -> tuple[int, int, int]:
+    import json
+
+    config = json.loads((vl_dir / "config.json").read_text())
+    return config["vision_start_token_id"], config["image_token_id"], config["vision_end_token_id"]

@@ -137,3 +137,20 @@ def test_a_text_only_model_refuses_images(start_server):
     with pytest.raises(openai.BadRequestError) as caught:
         chat(plain, [user("x", data_uri(image_bytes(32, 32, 1)))])
     assert caught.value.body["param"] == "messages[0].content[0]" and "takes no images" in caught.value.body["message"]
+
+
+def test_a_template_that_writes_no_placeholder_is_refused(start_server, smollm2_dir, tmp_path_factory):
+    """A template that renders the text parts only writes no placeholder for the image -> 400, nothing runs."""
+    from tests.tiny_vision import make_tiny_qwen3_5_vl
+
+    text_only = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
+                 "{% else %}{% for p in m['content'] %}{{ p.get('text', '') }}{% endfor %}{% endif %}\n"
+                 "{% endfor %}assistant:")
+    path = make_tiny_qwen3_5_vl(tmp_path_factory.mktemp("tiny-vl-text-template"), smollm2_dir,
+                                chat_template=text_only)
+    other = start_server(own_replica=True, model=str(path))
+    plain = openai.OpenAI(base_url=other.base_url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(plain, [user("x", data_uri(image_bytes(64, 64, 1)))])
+    assert caught.value.body["param"] == "messages" and "placeholder" in caught.value.body["message"]
+    assert wait_idle(other)["num_steps"] == 0
