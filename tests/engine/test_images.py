@@ -14,6 +14,7 @@ import torch
 from replicas.config import EngineConfig
 from replicas.engine.engine import Engine
 from replicas.messages import GenerateRequest, ImageInput, RequestError, SamplingParams
+from tests.engine.conftest import run_all as run
 
 NUM_STEPS = 32
 
@@ -40,10 +41,7 @@ def reference(vl_dir):
 
 @pytest.fixture(scope="module")
 def ids(vl_dir):
-    import json
-
-    config = json.loads((vl_dir / "config.json").read_text())
-    return config["vision_start_token_id"], config["image_token_id"], config["vision_end_token_id"]
+    return ids_of(vl_dir)
 
 
 def make_image(width: int, height: int, seed: int) -> ImageInput:
@@ -97,16 +95,6 @@ def reference_greedy(reference, ids, prompt: list[int], images: list[ImageInput]
 def request(rid: str, prompt: list[int], images=(), max_tokens: int = NUM_STEPS) -> GenerateRequest:
     return GenerateRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                            images=list(images))
-
-
-def run(engine: Engine, requests: list[GenerateRequest]) -> dict[str, list[int]]:
-    out = {r.request_id: [] for r in requests}
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out[delta.request_id] += delta.token_ids
-    return out
 
 
 def same_prefix(ours: list[int], theirs: list[int]) -> None:
