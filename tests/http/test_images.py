@@ -80,8 +80,10 @@ def test_the_next_turn_serves_the_image_from_cache(client, server):
     reply = chat(client, first)
     turn2 = first + [{"role": "assistant", "content": reply.choices[0].message.content}, user("And the colours?")]
     again = chat(client, turn2)
-    # the first user message (image included: 12 tokens) and the reply come from cache
+    # the first user message (image included: 12 tokens) and the reply come from the kept ids
     assert again.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens
+    details = again.usage.prompt_tokens_details.model_dump()
+    assert details["retention"] == "retained" and details["retained_tokens"] > reply.usage.prompt_tokens, details
     assert wait_idle(server)["num_vision_runs"] == runs_before + 1
 
 
@@ -154,3 +156,11 @@ def test_a_template_that_writes_no_placeholder_is_refused(start_server, smollm2_
         chat(plain, [user("x", data_uri(image_bytes(64, 64, 1)))])
     assert caught.value.body["param"] == "messages" and "placeholder" in caught.value.body["message"]
     assert wait_idle(other)["num_steps"] == 0
+
+
+def test_an_image_past_the_models_max_pixels_is_resized_not_refused(client, vl_chat_dir):
+    """The tiny preprocessor's max_pixels is 65536; a 400 x 300 image (120000, under the ingress's hard limit)
+    is resized down as transformers' processor does: at most 64 image tokens."""
+    small = chat(client, [user("x")]).usage.prompt_tokens
+    big = chat(client, [user("x", data_uri(image_bytes(400, 300, 8, "JPEG"), "image/jpeg"))]).usage.prompt_tokens
+    assert 2 < big - small <= 64 + 2  # the image's tokens and its two markers
