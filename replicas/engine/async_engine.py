@@ -62,6 +62,8 @@ class AsyncEngine:
         if self._stopped:
             raise RuntimeError("the engine was shut down")
         self.engine.check_request(request)  # reads config only; raises RequestError before any state
+        if request.images and self.engine.vision is not None:  # decoded and resized here, not on the step thread
+            await asyncio.to_thread(lambda: [self.engine.vision.processed(image) for image in request.images])
         grammar = None
         if request.sampling.structured is not None:  # compiled on the grammar pool: the step loop never waits
             compiling = self.engine.grammars.submit(request.sampling.structured)

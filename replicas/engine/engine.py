@@ -175,7 +175,7 @@ class Engine:
             return prompt, [], lambda p: p
         if vision is None:
             raise RequestError("messages: this model takes no images", param="messages")
-        expanded, images = expand_images(prompt, request.images, vision.processor, vision.image_token_id,
+        expanded, images = expand_images(prompt, request.images, vision, vision.image_token_id,
                                          self.model_config.vocab_size)
         # Placeholders (one token each, before expansion) sit at the images' starts less what earlier ones added.
         added, places = 0, []

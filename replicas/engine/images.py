@@ -11,7 +11,6 @@ block), retained conversations, hybrid checkpoints. The model replaces those row
 vision features (Qwen3_5TextModel.embed); nothing samples or detokenizes them.
 """
 
-import io
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +40,11 @@ def is_image_token(token_id: int, vocab_size: int) -> bool:
     return token_id >= vocab_size
 
 
-def expand_images(prompt_ids: list[int], images: list[ImageInput], processor, image_token_id: int,
+def expand_images(prompt_ids: list[int], images: list[ImageInput], vision, image_token_id: int,
                   vocab_size: int) -> tuple[list[int], list[PromptImage]]:
     """-> (the prompt with each placeholder replaced by its image's tokens, the images in order).
-    `images` are all of the conversation's, in order. A run of image tokens already in the prompt (a retained
+    `images` are all of the conversation's, in order; `vision.processed(image)` gives each one's pixels and grid
+    (replicas/engine/vision_encoder.py, cached by digest). A run of image tokens already in the prompt (a retained
     conversation's ids) is an earlier image, expanded on an earlier turn: it must be the next image's run.
     Raises RequestError (400, param "messages") when placeholders and images do not pair up."""
     ids, prompt_images, pending = [], [], list(images)
@@ -58,7 +58,7 @@ def expand_images(prompt_ids: list[int], images: list[ImageInput], processor, im
         if not pending:
             raise RequestError(f"messages: the prompt has more image placeholders than the {len(images)} "
                                "image(s) sent", param="messages")
-        image = _processed(pending.pop(0), processor, len(ids))
+        image = _prompt_image(pending.pop(0), vision, len(ids))
         value = image_token_value(image.digest, vocab_size)
         if token == image_token_id:  # a placeholder: this image's tokens
             i += 1
@@ -76,13 +76,11 @@ def expand_images(prompt_ids: list[int], images: list[ImageInput], processor, im
     return ids, prompt_images
 
 
-def _processed(image: ImageInput, processor, start: int) -> PromptImage:
-    from PIL import Image
-
-    with Image.open(io.BytesIO(image.data)) as decoded:
-        processed = processor.process(decoded)
-    span = ImageSpan(start, tuple(processed.grid_thw), processor.merge_size)
-    if span.num_tokens * processor.merge_size ** 2 != processed.pixel_values.shape[0]:
+def _prompt_image(image: ImageInput, vision, start: int) -> PromptImage:
+    processed = vision.processed(image)
+    merge = vision.processor.merge_size
+    span = ImageSpan(start, tuple(processed.grid_thw), merge)
+    if span.num_tokens * merge ** 2 != processed.pixel_values.shape[0]:
         raise RequestError(f"messages: image {image.digest[:12]} gave {processed.pixel_values.shape[0]} patches "
                            f"for {span.num_tokens} tokens", param="messages")
     return PromptImage(span, image.digest, processed.pixel_values)

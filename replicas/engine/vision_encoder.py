@@ -6,14 +6,19 @@ grid) under a byte budget: a chunked prefill that splits an image, a preempted r
 in another request or turn reuse them; a cache hit on the tokens never runs the tower at all.
 """
 
+import io
 import json
 import logging
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
 from replicas.engine.images import PromptImage
+from replicas.messages import ImageInput
+
+MAX_PROCESSED_IMAGES = 64  # decoded and resized images kept by digest, for their requests' admission
 
 logger = logging.getLogger("ray.serve")
 
@@ -48,6 +53,26 @@ class VisionEncoder:
         self.cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.num_cache_bytes = 0
         self.num_runs = 0  # images the tower has encoded (a cache hit is not a run)
+        self._processed: OrderedDict[str, object] = OrderedDict()  # digest -> ProcessedImage
+        self._lock = threading.Lock()
+
+    def processed(self, image: ImageInput):
+        """The image decoded, resized and patched (replicas/images/processor.py ProcessedImage), by digest.
+        AsyncEngine calls this off the step thread before a request is added, so admission finds it here."""
+        from PIL import Image
+
+        with self._lock:
+            found = self._processed.get(image.digest)
+            if found is not None:
+                self._processed.move_to_end(image.digest)
+                return found
+        with Image.open(io.BytesIO(image.data)) as decoded:
+            found = self.processor.process(decoded)
+        with self._lock:
+            self._processed[image.digest] = found
+            while len(self._processed) > MAX_PROCESSED_IMAGES:
+                self._processed.popitem(last=False)
+        return found
 
     @torch.inference_mode()
     def features(self, image: PromptImage) -> torch.Tensor:

@@ -156,8 +156,8 @@ def test_two_images_of_one_size_never_share_a_block(vl_dir, ids):
     prompt = with_image(ids, text(12, 16), "IMG", text(13, 3))  # the image starts at token 17
     first, second = make_image(128, 128, 20), make_image(128, 128, 21)  # 16 tokens each
     vision, vocab, size = engine.vision, engine.model_config.vocab_size, engine.config.block_size
-    a, _ = expand_images(prompt, [first], vision.processor, vision.image_token_id, vocab)
-    b, _ = expand_images(prompt, [second], vision.processor, vision.image_token_id, vocab)
+    a, _ = expand_images(prompt, [first], vision, vision.image_token_id, vocab)
+    b, _ = expand_images(prompt, [second], vision, vision.image_token_id, vocab)
     hashes_a, hashes_b = block_hashes(a, size, None), block_hashes(b, size, None)
     image_block = 17 // size
     assert len(a) == len(b) and len(hashes_a) > image_block
