@@ -103,6 +103,7 @@ class ModelReplica:
                 "num_preemptions": engine.scheduler.num_preemptions, **self.routing, **engine.memory,
                 "num_checkpoint_bytes": engine.checkpointer.pool.num_bytes if engine.checkpointer else 0,
                 "num_vision_runs": engine.vision.num_runs if engine.vision else 0,
+                "num_retained_tokens_kept": engine.retention.store.num_tokens,
                 "num_resident_bytes": psutil.Process().memory_info().rss}
 
     def record_routing_stats(self) -> dict:

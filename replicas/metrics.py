@@ -42,6 +42,8 @@ GAUGES = {
     "num_kv_cache_bytes": ("tether_replica_kv_cache_bytes", "Bytes of the paged KV pool (engine.kv_cache_bytes)."),
     "num_checkpoint_bytes": ("tether_replica_checkpoint_bytes",
                              "Bytes of saved recurrent-state checkpoints (hybrid models; engine.checkpoint_bytes)."),
+    "num_retained_tokens_kept": ("tether_replica_retained_tokens",
+                                 "Token ids kept for retained conversations (engine.max_retained_tokens)."),
 }
 
 

@@ -45,6 +45,28 @@ class IngressConfig(BaseModel):
                                       "size are resized by the replica.")
     max_images_per_request: int = Field(16, ge=0, description="Most images one chat request may carry.")
     image_fetch_timeout_s: float = Field(10.0, gt=0, description="How long fetching one image URL may take.")
+    # Limits on hostile or runaway input (docs/reliability.md, "Limits"); past one: a 4xx naming the field.
+    max_body_bytes: int = Field(
+        32 * 1024 * 1024, ge=1024, description="Most bytes of one request body, counted as they arrive (chunked "
+                                               "bodies too); past it: 413. Fits one image of max_image_bytes "
+                                               "as a base64 data URI (4/3 of its bytes) and the JSON around it.")
+    max_messages: int = Field(4096, ge=1, description="Most messages one chat request may carry.")
+    max_content_parts: int = Field(128, ge=1, description="Most content parts one chat message may carry.")
+    max_stop_strings: int = Field(16, ge=0, description="Most stop strings one request may give (`stop`).")
+    max_stop_string_chars: int = Field(
+        1024, ge=1, description="Longest stop string, in characters (streamed text holds back one fewer).")
+    max_logit_bias: int = Field(1024, ge=0, description="Most `logit_bias` entries one request may give.")
+    max_generated_tokens_per_request: int | None = Field(
+        None, ge=1, description="Most tokens one request may generate over all its choices: n x max_tokens "
+                                "(n x what the context leaves the prompt when max_tokens is unset); past it: "
+                                "400 naming max_tokens. None: each choice is bounded by the context only.")
+    max_buffered_tokens: int = Field(
+        4096, ge=1, description="Streaming: most generated tokens one response may hold at the ingress while its "
+                                "client is not reading (over all its choices); past it the replica calls are "
+                                "aborted and the stream is cut.")
+    stream_send_timeout_s: float = Field(
+        60.0, gt=0, description="Streaming: how long one write to a client that is not reading may wait before "
+                                "the connection is closed and the request aborted.")
 
 
 class RouterConfig(BaseModel):

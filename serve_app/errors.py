@@ -3,6 +3,7 @@
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from replicas.messages import RequestError
 from serve_app.protocol import FieldError
@@ -33,6 +34,13 @@ def install_error_handlers(app, retry_after_s: int) -> None:
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError):
         return error_response(validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def _on_http_error(request: Request, exc: HTTPException):
+        """Starlette's own refusals (an unknown path or method, a body that is not UTF-8), in OpenAI's shape."""
+        response = error_response(RequestError(str(exc.detail), status_code=exc.status_code))
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(RequestError)
     async def _on_request_error(request: Request, exc: RequestError):

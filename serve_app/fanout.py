@@ -8,7 +8,10 @@
    before the first token is an HTTP error; after it, an SSE error event.
 4. merge: choices indexed 0..n-1; streams interleaved chunk by chunk with their index;
    one usage (prompt counted once, completions summed); one `[DONE]`.
-A client that goes away closes the merged stream, which cancels every call.
+A client that goes away closes the merged stream, which cancels every call. A client that stops reading
+holds at most `max_buffered_tokens` (over all choices, plus the one delta that crossed it) before every call
+is aborted, and its connection is closed once one write has waited `stream_send_timeout_s`
+(serve_app/limits.py).
 """
 
 import asyncio
@@ -16,10 +19,11 @@ import json
 import time
 from typing import AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from replicas.messages import GenerateDelta, GenerateRequest, RequestError, as_request_error
 from serve_app.config import IngressConfig
+from serve_app.limits import BoundedStreamingResponse
 from serve_app.metrics import IngressMetrics, TokenTimer
 from serve_app.responses import ChoiceResult, ResponseFormat
 
@@ -51,8 +55,8 @@ class FanOut:
             raise error or exc
         headers = self._headers(firsts)
         if stream:
-            return StreamingResponse(self.sse(fmt, firsts, streams), media_type="text/event-stream",
-                                     headers=headers)
+            return BoundedStreamingResponse(self.sse(fmt, firsts, streams), self.config.stream_send_timeout_s,
+                                            media_type="text/event-stream", headers=headers)
         try:
             choices = await asyncio.gather(*(self._gather(i, f, s) for i, (f, s) in enumerate(zip(firsts, streams))))
         finally:
@@ -97,7 +101,7 @@ class FanOut:
         try:
             for i, first in enumerate(firsts):
                 yield _event(fmt.chunk(first, i, first=True))
-            async for i, delta in _interleave(streams):
+            async for i, delta in _interleave(streams, self.config.max_buffered_tokens):
                 lasts[i] = delta
                 if delta.text or delta.finish_reason or fmt.return_token_ids or delta.logprobs:
                     chunk = fmt.chunk(delta, i)
@@ -119,14 +123,26 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _interleave(streams) -> AsyncIterator[tuple[int, GenerateDelta]]:
-    """(choice index, delta) in arrival order, until every stream ends; an error in one ends all."""
+async def _interleave(streams, max_buffered_tokens: int) -> AsyncIterator[tuple[int, GenerateDelta]]:
+    """(choice index, delta) in arrival order, until every stream ends; an error in one ends all. Past
+    `max_buffered_tokens` pulled and not yet taken (the sender is stuck on a client not reading), every
+    call is aborted and the taker gets an error after what was buffered."""
     queue: asyncio.Queue = asyncio.Queue()
+    num_buffered_tokens = 0
 
     async def pump(index: int, stream) -> None:
+        nonlocal num_buffered_tokens
         try:
             async for delta in stream:
+                num_buffered_tokens += len(delta.token_ids)
                 await queue.put((index, delta))
+                if num_buffered_tokens > max_buffered_tokens:  # abort every call now, not when the taker wakes
+                    await queue.put((index, _read_too_slowly(max_buffered_tokens)))
+                    for task in tasks:
+                        if task is not asyncio.current_task():
+                            task.cancel()
+                    await stream.aclose()
+                    return
         except Exception as exc:
             await queue.put((index, exc))
         finally:
@@ -142,8 +158,15 @@ async def _interleave(streams) -> AsyncIterator[tuple[int, GenerateDelta]]:
             elif isinstance(item, Exception):
                 raise item
             else:
+                num_buffered_tokens -= len(item.token_ids)
                 yield index, item
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _read_too_slowly(max_buffered_tokens: int) -> RequestError:
+    return RequestError(f"the client read too slowly: more than {max_buffered_tokens} generated tokens waited "
+                        "to be sent (ingress.max_buffered_tokens); generation was stopped", status_code=408,
+                        type="timeout_error")

@@ -20,10 +20,23 @@ from serve_app.tools.validation import check_tool_choice, check_tools
 NOT_SUPPORTED = ("functions", "function_call", "prediction", "audio", "modalities")
 TEXT_PART_TYPES = ("text", "input_text")
 IMAGE_PART_TYPE = "image_url"  # checked and loaded by serve_app/images.py (user messages only)
+# apply_chat_template's own arguments: `chat_template` would run a client's Jinja (or pick another template),
+# the rest change what rendering returns. Anything else in chat_template_kwargs is a template variable.
+RESERVED_TEMPLATE_KWARGS = ("chat_template", "conversation", "messages", "tools", "tokenize",
+                            "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+                            "tokenizer_kwargs", "padding", "truncation", "max_length",
+                            "return_assistant_tokens_mask")
 
 
 def _is_unset(value) -> bool:
     return value is None or value == {} or value == []
+
+
+def _template_variables(kwargs: dict | None) -> dict | None:
+    reserved = sorted(set(kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ValueError(f"{reserved[0]!r} is not a template variable; the deployment's chat template is used")
+    return kwargs
 
 
 class FieldError(ValueError):
@@ -47,6 +60,17 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, calls):
+        for i, call in enumerate(calls or []):
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+                raise ValueError(f"tool_calls[{i}].function must be an object with a name")
+            if not isinstance(function.get("arguments", ""), (str, dict)):
+                raise ValueError(f"tool_calls[{i}].function.arguments must be a JSON string or an object")
+        return calls
 
     def for_template(self) -> dict:
         """The message as chat templates expect it: text parts joined into one string; with images, the parts
@@ -154,8 +178,12 @@ class SamplingFields(BaseModel):
             raise FieldError(exc.param, str(exc)) from None
         return self
 
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
     def sampling_params(self, num_logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop = self.stop_strings
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -207,6 +235,11 @@ class ChatCompletionRequest(SamplingFields):
     def _tools(cls, value):
         return check_tools(value) if value else value
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _chat_template_kwargs(cls, value):
+        return _template_variables(value)
+
     @model_validator(mode="after")
     def _tool_choice(self):
         try:
@@ -226,6 +259,8 @@ class ChatCompletionRequest(SamplingFields):
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         for i, message in enumerate(self.messages):
             for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                if part.get("type") in TEXT_PART_TYPES and not isinstance(part.get("text", ""), str):
+                    raise FieldError(f"messages[{i}].content[{j}]", "text must be a string")
                 if part.get("type") not in (*TEXT_PART_TYPES, IMAGE_PART_TYPE):
                     raise FieldError(f"messages[{i}].content[{j}]", f"content part type {part.get('type')!r} is "
                                                                      "not supported (text and image_url)")
@@ -284,10 +319,15 @@ class TokenizeRequest(BaseModel):
     def _tools(cls, value):
         return check_tools(value) if value else value
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _chat_template_kwargs(cls, value):
+        return _template_variables(value)
+
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise FieldError("prompt", "give exactly one of prompt or messages")
         return self
 
 

@@ -6,6 +6,7 @@ routes run inside the Serve ingress and, over a LocalBackend, in plain uvicorn.
 
 import asyncio
 import hashlib
+import hmac
 import json
 import time
 import uuid
@@ -20,7 +21,9 @@ from serve_app.backend import DEPLOYMENT_FAILED
 from serve_app.config import AppConfig
 from serve_app.fanout import REPLICA_HEADER, FanOut
 from serve_app.images import ImageLimits, load_images, mark_images
+from serve_app.limits import BodyLimit, check_generated_tokens, check_size_limits
 from serve_app.metrics import IngressMetrics, install_metrics
+from serve_app.openapi import install_openapi
 from serve_app.errors import error_response, install_error_handlers
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                 TokenizeRequest)
@@ -68,7 +71,7 @@ class OpenAIServer:
             return None
         auth = http.headers.get("authorization", "")
         token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
-        if token not in keys:
+        if not is_known_key(token, keys):
             raise RequestError("invalid or missing API key", status_code=401, type="authentication_error",
                                code="invalid_api_key")
         return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
@@ -98,9 +101,10 @@ class OpenAIServer:
                                status_code=404, param="model", code="model_not_found")
 
     def check_deployment_limits(self, body: SamplingFields) -> None:
-        """The 400s that need the deployment: n's limit, token ids in the vocabulary."""
+        """The 400s that need the deployment: n's limit, the size caps, token ids in the vocabulary."""
         if body.n > self.config.ingress.max_n:
             raise RequestError(f"n must be at most {self.config.ingress.max_n}", param="n")
+        check_size_limits(body, self.config.ingress)
         vocab = len(self.renderer.tokenizer)
         if any(not 0 <= int(t) < vocab for t in body.logit_bias or {}):
             raise RequestError(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
@@ -119,6 +123,8 @@ class OpenAIServer:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; {num_prompt} "
                                f"in the prompt + {body.max_tokens} max_tokens exceed it.", param="max_tokens",
                                code="context_length_exceeded")
+        check_generated_tokens(body, num_prompt, self.max_model_len,
+                               self.config.ingress.max_generated_tokens_per_request)
         requests = []
         for i in range(body.n):
             params = body.sampling_params(num_logprobs, prompt_logprobs)
@@ -294,7 +300,9 @@ class OpenAIServer:
 def make_api(server: OpenAIServer) -> FastAPI:
     app = FastAPI(title="Tether", version=VERSION)
     install_error_handlers(app, server.config.ingress.retry_after_s)
+    app.add_middleware(BodyLimit, max_body_bytes=server.config.ingress.max_body_bytes)  # 413s are counted too
     install_metrics(app, server.metrics)  # GET /metrics, and every response counted by route and status
+    install_openapi(app, server)  # /openapi.json as precise as the validation (serve_app/openapi.py)
     auth = Depends(server.authenticate)
 
     @app.post("/v1/chat/completions")
@@ -329,6 +337,12 @@ def make_api(server: OpenAIServer) -> FastAPI:
         return error_response(error, server.config.ingress.retry_after_s)
 
     return app
+
+
+def is_known_key(token: str, keys: list[str]) -> bool:
+    """Compares against every key in constant time, so the answer's timing tells nothing of a key's prefix."""
+    given = token.encode()
+    return any([hmac.compare_digest(given, key.encode()) for key in keys])
 
 
 def _reason(exc: BaseException) -> str:

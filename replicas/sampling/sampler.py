@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from replicas.engine.request import Request
+from replicas.messages import RequestError
 from replicas.sampling.grammar import GrammarManager, grammar_end_wins
 from replicas.sampling.logprobs import PositionLogprobs, compute_logprobs
 from replicas.sampling.processors import apply_logits_plan, build_logits_plan
@@ -43,6 +44,8 @@ class Sampler:
         if masked_rows and plan is not None:
             processed = grammar_end_wins(processed, logits, masked_rows)
         logits = processed
+        if masked_rows:
+            fail_empty_rows(logits, requests, masked_rows)
         token_ids = logits.argmax(dim=-1).cpu()  # [R]
         rows = [r for r, req in enumerate(requests) if not req.sampling.is_greedy]
         if rows:
@@ -72,6 +75,19 @@ class Sampler:
         return out
 
 
+def fail_empty_rows(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+    """A grammar row with no finite logit (no token of this vocabulary can continue the grammar: a choice of
+    "\x04") cannot be drawn from: its request fails alone (a 400 naming its field, at postprocess) and the row
+    gets zeros, so the batch samples on. logits: [R, V], modified in place."""
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    empty = index[~torch.isfinite(logits.index_select(0, index)).any(dim=-1)].tolist()
+    for r in empty:
+        spec = requests[r].sampling.structured
+        requests[r].error = RequestError(f"{spec.param}: no token of this model's vocabulary can continue the "
+                                         "structured output here", param=spec.param)
+        logits[r] = 0.0
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Masks (to -inf) what falls outside each row's top_k and top_p; k <= 0 and p >= 1 are off.
 
@@ -79,7 +95,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     vocabulary: a full sort of 8 rows x 49152 logits costs ~45 ms per step on 2 CPU cores."""
     vocab = logits.shape[-1]
     device = logits.device
-    ks = [k if k > 0 else vocab for k in top_k]
+    ks = [min(k, vocab) if k > 0 else vocab for k in top_k]  # a top_k past the vocabulary is off
     width = max(ks)
     if width < vocab:
         ranked, ranked_idx = logits.topk(width, dim=-1)  # [R, width], descending
@@ -93,5 +109,6 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
         p = torch.tensor(top_p, dtype=probs.dtype, device=device)
         # Drop a token when the tokens before it already reach p; the first one always stays.
         drop = (probs.cumsum(dim=-1) - probs) >= p[:, None]
+        drop[:, 0] = False  # also when p rounds to 0 in the logits' dtype (top_p 5e-324 is 0.0 in float32)
         ranked = ranked.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, ranked_idx, ranked)
