@@ -8,7 +8,9 @@ default model, one CPU each, caches capped small so they fill in the first minut
 clients, each looping until the deadline over a mix:
 - chat conversations of up to 6 turns (the client sends the assistant replies back) and completions;
 - n from 1 to 4, max_tokens from 8 to 64, a stop string on a quarter of them;
-- a tenth disconnect after a few chunks; a tenth read slowly (0.2 s between chunks).
+- a tenth disconnect after a few chunks; a tenth read slowly (0.2 s between chunks);
+- a 429 / 503 is waited out for its Retry-After, as the openai SDK does.
+Each replica's queue holds clients x 4 / replicas requests (every client's n choices at once).
 Every 5 s each replica's engine counters are sampled through the replica handle (resident memory, KV blocks
 in use, retained tokens, checkpoint bytes, running / waiting sequences).
 
@@ -64,6 +66,8 @@ async def one_request(client: httpx.AsyncClient, route: str, body: dict, rng: ra
             record.status = response.status_code
             if response.status_code != 200:
                 record.error = (await response.aread()).decode(errors="replace")[:200]
+                if response.status_code in (429, 503):  # backpressure: wait as told, as the openai SDK does
+                    await asyncio.sleep(float(response.headers.get("retry-after", 1)))
                 return ""
             lines = response.aiter_lines()
             while True:
@@ -151,7 +155,10 @@ def start_app(args):
     ray.init(num_cpus=max(2, args.replicas), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    # Queues deep enough for every client's n choices (64 x up to 4 over 2 replicas of 16 running each):
+    # past them Serve answers 503 (backpressure, counted apart).
     spec = {"model": model_dir, "served_model_name": "soak", "num_replicas": args.replicas, "replica_num_cpus": 1,
+            "replica_max_queued_requests": args.clients * 4 // args.replicas,
             "engine": {"num_threads": 1, "kv_cache_bytes": args.kv_mib << 20,
                        "max_retained_tokens": args.retained_tokens, "max_num_seqs": 16}}
     serve.run(build_app(spec), name="tether", route_prefix="/")
