@@ -48,6 +48,7 @@ import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from tests.faulty_replica import faulty_replica_class  # noqa: E402
 
 APP = "drills"
 MODEL = "tiny"
@@ -153,29 +154,6 @@ def summary(outcomes: list[Outcome]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(kinds.items())) or "none"
 
 
-def faulty_replica_class():
-    """ModelReplica whose engine step raises after a request asks for FAULT_MAX_TOKENS tokens: an engine
-    bug, on the step thread, in a real replica. Defined in a function so that Ray pickles it by value."""
-    from replicas.deployment import ModelReplica
-
-    class FaultyReplica(ModelReplica):
-        async def generate(self, request):
-            armed = request.sampling.max_tokens != FAULT_MAX_TOKENS
-            async for delta in super().generate(request):
-                yield delta
-                # Some deltas in: its caller has seen which replica it broke (Serve may hold back a first
-                # delta that an error follows at once).
-                if not armed and delta.num_generated_tokens >= ARM_AFTER_TOKENS:
-                    armed = True
-                    self.engine.engine.step = self.failing_step
-
-        @staticmethod
-        def failing_step():
-            raise RuntimeError("drill: an engine step raised")
-
-    return FaultyReplica
-
-
 def app_args(model_dir: str, stream_interval: int = 4) -> dict:
     return {"model": model_dir, "served_model_name": MODEL, "num_replicas": 2, "dtype": "float32",
             "replica_num_cpus": 0, "engine": {"num_threads": 1, "stream_interval": stream_interval}}
@@ -185,7 +163,7 @@ def build(args: dict):
     import serve_app.app as app_module
 
     real = app_module.ModelReplica
-    app_module.ModelReplica = faulty_replica_class()
+    app_module.ModelReplica = faulty_replica_class(FAULT_MAX_TOKENS, ARM_AFTER_TOKENS)
     try:
         return app_module.build_app(args)
     finally:

@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from tests.faulty_replica import faulty_replica_class
 from tests.ray.conftest import MODEL
 
 FAULTY = "faulty"
@@ -21,33 +22,13 @@ ARM_AFTER_TOKENS = 8
 REPLACE_WITHIN_S = 60
 
 
-def faulty_replica_class():
-    """Defined in a function so that Ray pickles it by value (workers need not import this module)."""
-    from replicas.deployment import ModelReplica
-
-    class FaultyReplica(ModelReplica):
-        async def generate(self, request):
-            armed = request.sampling.max_tokens != FAULT_MAX_TOKENS
-            async for delta in super().generate(request):
-                yield delta
-                if not armed and delta.num_generated_tokens >= ARM_AFTER_TOKENS:
-                    armed = True
-                    self.engine.engine.step = self.failing_step
-
-        @staticmethod
-        def failing_step():
-            raise RuntimeError("drill: an engine step raised")
-
-    return FaultyReplica
-
-
 @pytest.fixture(scope="module")
 def faulty_app(serve_app, tiny_llama_dir, monkeypatch_module):
     from ray import serve
 
     import serve_app.app as app_module
 
-    monkeypatch_module.setattr(app_module, "ModelReplica", faulty_replica_class())
+    monkeypatch_module.setattr(app_module, "ModelReplica", faulty_replica_class(FAULT_MAX_TOKENS, ARM_AFTER_TOKENS))
     app = app_module.build_app({"model": str(tiny_llama_dir), "served_model_name": MODEL, "num_replicas": 1,
                                 "dtype": "float32", "replica_num_cpus": 0, "engine": {"num_threads": 1}})
     serve.run(app, name=FAULTY, route_prefix=f"/{FAULTY}")
