@@ -9,6 +9,7 @@ import torch
 
 from replicas.config import EngineConfig
 from replicas.engine.async_engine import AsyncEngine, is_delivery_due
+from replicas.messages import RequestError
 from replicas.engine.engine import Engine
 from replicas.messages import GenerateDelta
 from replicas.kernels.cpu_linear import PackedLinear, can_pack
@@ -123,5 +124,6 @@ def test_a_shut_down_engine_refuses_requests_instead_of_hanging(tiny_llama_dir):
     async def generate():
         return [d async for d in engine.generate(greedy("late", prompts([4])[0]))]
 
-    with pytest.raises(RuntimeError, match="shut down"):
+    with pytest.raises(RequestError, match="shutting down") as refused:
         asyncio.run(asyncio.wait_for(generate(), timeout=10))
+    assert refused.value.status_code == 503  # retryable: another replica serves it
