@@ -61,6 +61,15 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content):
+        # Every route that renders messages (chat, /tokenize) joins text parts: each text must be a string.
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if part.get("type") in TEXT_PART_TYPES and not isinstance(part.get("text", ""), str):
+                raise ValueError(f"content[{j}].text must be a string")
+        return content
+
     @field_validator("tool_calls")
     @classmethod
     def _tool_calls(cls, calls):
@@ -204,16 +213,30 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(SamplingFields):
+class TemplateInputs(BaseModel):
+    """What renders with the messages through the chat template: chat and /tokenize take the same."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value):
+        return check_tools(value) if value else value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _chat_template_kwargs(cls, value):
+        return _template_variables(value)
+
+
+class ChatCompletionRequest(SamplingFields, TemplateInputs):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True  # false: at most one call per reply
     # Extension: keep this turn's exact ids for the next turn (None: the deployment's default, on).
@@ -229,16 +252,6 @@ class ChatCompletionRequest(SamplingFields):
         if isinstance(value, int) and value >= 1:  # a bad value stays to fail under its own name
             data = {**data, "max_tokens": value}
         return data
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, value):
-        return check_tools(value) if value else value
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _chat_template_kwargs(cls, value):
-        return _template_variables(value)
 
     @model_validator(mode="after")
     def _tool_choice(self):
@@ -259,8 +272,6 @@ class ChatCompletionRequest(SamplingFields):
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         for i, message in enumerate(self.messages):
             for j, part in enumerate(message.content if isinstance(message.content, list) else []):
-                if part.get("type") in TEXT_PART_TYPES and not isinstance(part.get("text", ""), str):
-                    raise FieldError(f"messages[{i}].content[{j}]", "text must be a string")
                 if part.get("type") not in (*TEXT_PART_TYPES, IMAGE_PART_TYPE):
                     raise FieldError(f"messages[{i}].content[{j}]", f"content part type {part.get('type')!r} is "
                                                                      "not supported (text and image_url)")
@@ -301,7 +312,7 @@ class CompletionRequest(SamplingFields):
         return self.logprobs if self.echo and self.logprobs is not None else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(TemplateInputs):
     """vLLM's /tokenize: `prompt` (text or ids) or `messages` (rendered through the chat template)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -310,19 +321,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None  # rendered with the messages, as in chat
     add_special_tokens: bool = True
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, value):
-        return check_tools(value) if value else value
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _chat_template_kwargs(cls, value):
-        return _template_variables(value)
 
     @model_validator(mode="after")
     def _one_input(self):

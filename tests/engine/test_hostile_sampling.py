@@ -5,7 +5,7 @@ alone, and the requests beside it finish."""
 import pytest
 
 from replicas.messages import GenerateRequest, SamplingParams, StructuredSpec
-from tests.engine.conftest import prompts
+from tests.engine.conftest import prompts, run_all
 
 
 def request(rid: str, **sampling) -> GenerateRequest:
@@ -13,16 +13,8 @@ def request(rid: str, **sampling) -> GenerateRequest:
 
 
 def run(engine, requests) -> tuple[dict, dict]:
-    """-> (ids per finished request, error per failed one)."""
-    out = {r.request_id: [] for r in requests}
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out[delta.request_id] += delta.token_ids
-    failures = dict(engine.failures)
-    engine.failures.clear()
-    return out, failures
+    """-> (ids per request, error per failed one)."""
+    return run_all(engine, requests), dict(engine.take_failures())
 
 
 @pytest.mark.parametrize("sampling", [
