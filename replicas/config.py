@@ -67,6 +67,25 @@ class EngineConfig(BaseModel):
         return min(self.max_model_len or MAX_DEFAULT_CONTEXT, max_position_embeddings)
 
 
+class MigrationConfig(BaseModel):
+    """What a leaving replica exports (Serve scale-in, a rolling update, `num_replicas` lowered) and where the
+    states wait for the replica that takes their next turn (replicas/depot.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(True, description="Export conversations when a replica leaves; import them on a miss.")
+    export_bytes: int = Field(1 << 30, ge=0, description="Most bytes one leaving replica exports (most recently "
+                                                         "used conversations first); 0: none.")
+    export_timeout_s: float = Field(10.0, gt=0, description="How long a leaving replica spends exporting. Serve "
+                                    "gives it graceful_shutdown_timeout_s in all, draining its requests first.")
+    graceful_shutdown_timeout_s: float = Field(30.0, gt=0, description="Serve's budget for a leaving ModelReplica: "
+                                               "its requests' drain, then the export.")
+    take_timeout_s: float = Field(2.0, gt=0, description="How long a replica waits for the depot on a "
+                                                         "conversation it does not hold before recomputing.")
+    depot_bytes: int = Field(2 << 30, ge=0, description="Most bytes the StateDepot holds (oldest dropped first).")
+    depot_ttl_s: float = Field(600.0, gt=0, description="How long an exported state waits to be taken.")
+
+
 def read_max_position_embeddings(model_dir: str) -> int:
     """From config.json, without loading the model (the ingress has no torch); a multimodal checkpoint's from its
     language model's config (`text_config`)."""

@@ -12,6 +12,7 @@ loader's own message (a ValueError, not wrapped), which Serve shows in
 `max_constructor_retry_count`; serve_app/app.py).
 """
 
+import asyncio
 import logging
 
 import psutil
@@ -20,13 +21,14 @@ from ray import serve
 
 from cache_router.hashing import short_hash
 
-from replicas.config import EngineConfig
+from replicas.config import EngineConfig, MigrationConfig
 from replicas.device import resolve_threads
 from replicas.engine.async_engine import AsyncEngine
 from replicas.engine.engine import Engine
 from replicas.heap import freeze_startup_heap
 from replicas.messages import GenerateRequest
 from replicas.metrics import ReplicaMetrics
+from replicas.migrator import Migrator
 from replicas.models.architectures import check_model_dir
 from replicas.models.prepare import prepare_model
 
@@ -43,7 +45,8 @@ def current_replica_id() -> str:
 
 
 class ModelReplica:
-    def __init__(self, engine_config: dict):
+    def __init__(self, engine_config: dict, migration: dict | None = None, depot=None):
+        """`migration`: MigrationConfig fields; `depot`: a handle to the app's StateDepot (None: nothing moves)."""
         config = EngineConfig(**engine_config)
         # The model may be a spec ('default', a .gguf): prepare it on this node (cached, locked).
         config = config.model_copy(update={"model": str(prepare_model(config.model, progress=False))})
@@ -57,6 +60,7 @@ class ModelReplica:
                 raise cause from None
             raise
         self.replica_id = current_replica_id()
+        self.migrator = Migrator(self.engine, MigrationConfig(**(migration or {})), depot)
         self.metrics = ReplicaMetrics(self.replica_id)  # a no-op outside Ray
         # Over the requests that came with the router's prediction for this replica.
         self.routing = {"num_routed_requests": 0, "num_predicted_cached_tokens": 0,
@@ -67,6 +71,7 @@ class ModelReplica:
         freeze_startup_heap(f"ModelReplica {self.replica_id}")
 
     async def generate(self, request: GenerateRequest):
+        await self.migrator.before_turn(request)  # a conversation that moved here: import it first
         async for delta in self.engine.generate(request):
             delta.replica_id = self.replica_id
             if delta.finish_reason is not None:
@@ -104,6 +109,7 @@ class ModelReplica:
                 "num_checkpoint_bytes": engine.checkpointer.pool.num_bytes if engine.checkpointer else 0,
                 "num_vision_runs": engine.vision.num_runs if engine.vision else 0,
                 "num_retained_tokens_kept": engine.retention.store.num_tokens,
+                **vars(engine.migration_stats), **self.migrator.stats,
                 "num_resident_bytes": psutil.Process().memory_info().rss}
 
     def record_routing_stats(self) -> dict:
@@ -126,7 +132,22 @@ class ModelReplica:
             raise RuntimeError(f"engine step loop failed: {self.engine.error!r}")
 
     def __del__(self):
+        """Serve calls this when it removes the replica (scale-in, a rolling update), after draining its
+        requests, on the replica's event loop, and awaits what it returns: the conversations' export, then
+        the shutdown. Collected outside Serve: just the shutdown."""
         engine = getattr(self, "engine", None)
-        if engine is not None:
+        if engine is None:
+            return None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
             engine.shutdown()
+            return None
+        return self._leave() if getattr(self, "replica_id", "local") != "local" else engine.shutdown()
+
+    async def _leave(self) -> None:
+        try:
+            await self.migrator.leave()
+        finally:
+            self.engine.shutdown()
 

@@ -22,6 +22,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from cache_router.router import ConversationRouter
 from replicas.deployment import ModelReplica
+from replicas.depot import StateDepot
 from replicas.heap import freeze_startup_heap
 from replicas.models.architectures import check_model_dir
 from replicas.models.prepare import prepare_model
@@ -66,6 +67,10 @@ def build_app_routed(args: dict, request_router: RequestRouterConfig | None) -> 
         # whose engine had died taking its conversations' requests, each a 503, for ~34 s: bench/drills.py).
         health_check_period_s=2,
         request_router_config=request_router or router_config(config),
+        # A leaving replica drains its requests, then exports its conversations (replicas/depot.py); Serve
+        # checks for the drain every wait loop, so a short loop starts the export soon after the last request.
+        graceful_shutdown_timeout_s=config.migration.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=0.25,
     )
     if config.num_replicas == "auto":
         replica_options["autoscaling_config"] = AutoscalingConfig(min_replicas=1, max_replicas=4)
@@ -77,8 +82,14 @@ def build_app_routed(args: dict, request_router: RequestRouterConfig | None) -> 
     ingress = serve.deployment(Ingress, name="Ingress").options(
         max_ongoing_requests=config.ingress.max_queued_requests + 8,
         max_queued_requests=config.ingress.max_queued_requests, ray_actor_options={"num_cpus": 0})
+    depot = None
+    if config.migration.enabled:
+        depot = serve.deployment(StateDepot, name="StateDepot").options(
+            num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(config.migration.depot_bytes,
+                                                                    config.migration.depot_ttl_s)
     logger.info("Tether: %s as %r, %s replica(s)", model_dir, config.model_name(), config.num_replicas)
-    return ingress.bind(config.model_dump(), replicas.bind(engine.model_dump()))
+    return ingress.bind(config.model_dump(),
+                        replicas.bind(engine.model_dump(), config.migration.model_dump(), depot))
 
 
 def router_config(config: AppConfig) -> RequestRouterConfig:
@@ -98,7 +109,7 @@ def router_config(config: AppConfig) -> RequestRouterConfig:
 def _parse_args(args: dict) -> dict:
     """`key=value` strings from the command line, or typed values from a YAML `args:` block."""
     parsed = dict(args)
-    for name in ("ingress", "router", "engine"):
+    for name in ("ingress", "router", "engine", "migration"):
         if isinstance(parsed.get(name), str):
             import json
 

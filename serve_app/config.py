@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from replicas.config import EngineConfig
+from replicas.config import EngineConfig, MigrationConfig
 
 
 class IngressConfig(BaseModel):
@@ -101,6 +101,7 @@ class AppConfig(BaseModel):
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    migration: MigrationConfig = Field(default_factory=MigrationConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -33,6 +33,15 @@ class RetainedStore:
         """A snapshot of the stored history keys, least recently used first."""
         return list(self._entries)
 
+    def items(self) -> list[tuple[str, RetainedConversation]]:
+        """A snapshot of (history key, entry), least recently used first."""
+        return list(self._entries.items())
+
+    def holds(self, key: str, caller: str) -> bool:
+        """Whether `get` would find it; leaves the order as it is (safe to ask from another thread)."""
+        entry = self._entries.get(key)
+        return entry is not None and entry.caller == caller
+
     def get(self, key: str, caller: str) -> list[int] | None:
         entry = self._entries.get(key)
         if entry is None or entry.caller != caller:

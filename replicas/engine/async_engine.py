@@ -23,14 +23,17 @@ on another: a bf16 decode matmul 110 vs 51 us; one stream 14 vs 30 tok/s, bench/
 """
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, TypeVar
 
 import torch
 
 from replicas.engine.engine import Engine
 from replicas.messages import GenerateDelta, GenerateRequest, RequestError
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -99,6 +102,14 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Runs `fn(engine)` on the step thread between steps (the engine is not thread-safe) -> its result."""
+        if not self.is_healthy:
+            raise engine_failed(self.error)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("call", (fn, done)))
+        return await asyncio.wrap_future(done)
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wakeup.set()
@@ -147,6 +158,8 @@ class AsyncEngine:
             if kind == "abort":
                 self.engine.abort_request(payload)
                 self._held.pop(payload, None)
+            elif kind == "call":
+                self._call(*payload)
             else:
                 request, grammar = payload
                 if request.request_id not in self._streams:  # its caller went away
@@ -155,6 +168,12 @@ class AsyncEngine:
                     self.engine.add_request(request, grammar)
                 except Exception as exc:
                     self._deliver_to(request.request_id, exc)
+
+    def _call(self, fn: Callable[[Engine], object], done: concurrent.futures.Future) -> None:
+        try:
+            done.set_result(fn(self.engine))
+        except Exception as exc:  # the caller's to handle; the step loop goes on
+            done.set_exception(exc)
 
     def _deliver(self, deltas: list[GenerateDelta]) -> None:
         for delta in deltas:

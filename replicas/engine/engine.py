@@ -29,6 +29,7 @@ from replicas.messages import GenerateDelta, GenerateRequest, RequestError
 from replicas.models.gated_deltanet import allocate_linear_states
 from replicas.models.loader import load_model
 from replicas.engine.images import expand_images
+from replicas.engine.migration import MigrationStats, engine_layout
 from replicas.engine.vision_encoder import load_vision_encoder
 from replicas.sampling.grammar import GrammarManager
 from replicas.sampling.logprobs import PositionLogprobs
@@ -79,6 +80,9 @@ class Engine:
                                        config.max_num_seqs, config.grammar_compile_threads)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, linear_states,
                                   self.grammars, self.vision)
+        # What a conversation's state must match to move here (replicas/engine/migration.py), and what moved.
+        self.layout = engine_layout(self)
+        self.migration_stats = MigrationStats()
         # What the budgets allocated, in bytes (the replica reports them beside its resident memory).
         self.memory = {"num_weight_bytes": tensor_bytes([*self.model.parameters(), *self.model.buffers()]),
                        "num_kv_cache_bytes": tensor_bytes([t for pair in kv_caches for t in pair]),
