@@ -10,12 +10,21 @@ Contract:
 - `take` never returns a state to another caller than the one it was exported for (and leaves it);
 - bounded: at most `max_bytes` held (oldest dropped first), each state at most `ttl_s`;
 - losing the depot (or a state in it) costs recomputation only: a miss re-prefills.
+
+When the app itself rolls (a changed `args` gives every deployment a new version), the leaving depot hands
+its states to its successor through its own deployment's handle (Serve no longer routes to a leaving
+replica), bounded by HANDOFF_TIMEOUT_S; with no successor (the app deleted) they are dropped.
 """
 
+import asyncio
+import logging
 import time
 from collections import OrderedDict
 
 from replicas.cache.conversation_state import ConversationState
+
+logger = logging.getLogger("ray.serve")
+HANDOFF_TIMEOUT_S = 5.0
 
 
 class StateDepot:
@@ -62,6 +71,26 @@ class StateDepot:
         self._drop(state_id, dropped=False)
         self.stats["num_states_taken"] += 1
         return state
+
+    def __del__(self):
+        """Serve removes this replica: the states go to the depot that replaces it (see the module doc)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return None  # collected outside Serve
+        return self._hand_off() if self._states else None
+
+    async def _hand_off(self) -> None:
+        from ray import serve
+
+        states = [state for _, state in self._states.values()]
+        try:
+            context = serve.get_replica_context()
+            successor = serve.get_deployment_handle(context.deployment, app_name=context.app_name)
+            kept = await asyncio.wait_for(successor.put.remote(states), HANDOFF_TIMEOUT_S)
+            logger.info("StateDepot: handed %d state(s) to its successor, %d kept", len(states), kept)
+        except Exception as exc:  # no successor: the next turns recompute
+            logger.warning("StateDepot: %d state(s) dropped on leaving (%r)", len(states), exc)
 
     def depot_stats(self) -> dict:
         return {**self.stats, "num_states": len(self._states), "num_bytes": self.num_bytes}

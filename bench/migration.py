@@ -1,0 +1,147 @@
+"""What a conversation keeps when its replica leaves: scale-in, a rolling update and an app roll, through Serve.
+
+    python bench/migration.py [--model tiny|default] [--conversations 12] [--turns 3] [--only NAME ...]
+
+One local Serve app deployed as `serve deploy` deploys it (tests/ray/test_migration.py's path), 3
+ModelReplicas; `--conversations` chats of `--turns` turns each; then one change, then one more turn of
+every conversation. Per scenario, with migration on and off (`migration.enabled`): the next turn's prompt
+tokens computed vs the new tokens it added (a kept prefix computes new + at most one block), the share of
+prompt tokens served from cache, time to the answer, failed requests, and the StateDepot's counters.
+  scale-in   `deployments: [{name: ModelReplica, num_replicas: 2}]`: one replica leaves.
+  rolling    a ray_actor_options change restarts every replica one by one, under a light load (one client
+             chatting every 0.2 s); the StateDepot stays (its version is unchanged).
+  app-roll   a changed `args` (engine.stream_interval) gives every deployment a new version: the depot
+             rolls too and hands its states to its successor.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tests.ray import test_migration as scenario  # noqa: E402  (the test's deploy / chat helpers)
+
+SCENARIOS = ("scale-in", "rolling", "app-roll")
+
+
+def start_ray() -> str:
+    import ray
+    from ray import serve
+
+    from tests.ray.conftest import free_port
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+def config(model: str, migration: bool, deployments=None, stream_interval: int = 4) -> dict:
+    cfg = scenario.app_config(model, deployments)
+    cfg["args"] = {**cfg["args"], "migration": {"enabled": migration},
+                   "engine": {**cfg["args"]["engine"], "stream_interval": stream_interval}}
+    return cfg
+
+
+def change(name: str, model: str, migration: bool) -> dict:
+    if name == "scale-in":
+        return config(model, migration, [{"name": "ModelReplica", "num_replicas": 2}])
+    if name == "rolling":
+        return config(model, migration, [{"name": "ModelReplica", "ray_actor_options": {
+            "num_cpus": 0, "runtime_env": {"env_vars": {"TETHER_ROLLED": "1"}}}}])
+    return config(model, migration, stream_interval=2)
+
+
+def run(name: str, model: str, migration: bool, base: str, num_conversations: int, num_turns: int) -> dict:
+    from ray import serve
+
+    scenario.deploy(config(model, migration))
+    old = scenario.wait_for(3, timeout_s=300)
+    app = f"{base}/{scenario.APP}"
+    scenario.wait_until_routed_to_each(app, sorted(old))
+    conversations = [{"messages": [{"role": "user", "content": f"Conversation {i}: name three rivers."}],
+                      "turns": []} for i in range(num_conversations)]
+    for _ in range(num_turns):
+        for conversation in conversations:
+            scenario.next_turn(app, conversation)
+    failures, stop = [], threading.Event()
+    load = threading.Thread(target=light_load, args=(app, conversations[:2], stop, failures))
+    load.start()
+    started = time.monotonic()
+    scenario.deploy(change(name, model, migration))
+    survivors = scenario.wait_for(2 if name == "scale-in" else 3, gone=set() if name == "scale-in" else old,
+                                  timeout_s=300)
+    took = time.monotonic() - started
+    stop.set()
+    load.join()
+    moved = [c for c in conversations if c["turns"][-1]["replica"] not in survivors]
+    rows = []
+    for conversation in conversations:
+        start = time.monotonic()
+        result = scenario.next_turn(app, conversation)
+        rows.append((len(result["prompt"]) - result["cached"], scenario.new_tokens(conversation),
+                     result["cached"], len(result["prompt"]), time.monotonic() - start, conversation in moved))
+    depot = serve.get_deployment_handle("StateDepot", app_name=scenario.APP).depot_stats.remote().result() \
+        if migration else {}
+    serve.delete(scenario.APP)
+    return summarize(name, migration, rows, failures, took, depot)
+
+
+def light_load(app: str, conversations: list[dict], stop: threading.Event, failures: list) -> None:
+    i = 0
+    while not stop.is_set():
+        try:
+            scenario.next_turn(app, conversations[i % len(conversations)])
+        except Exception as exc:
+            failures.append(repr(exc))
+        i += 1
+        time.sleep(0.2)
+
+
+def summarize(name, migration, rows, failures, took, depot) -> dict:
+    moved = [r for r in rows if r[5]]
+    return {"scenario": name, "migration": "on" if migration else "off", "change_s": round(took, 1),
+            "failed": len(failures), "moved": len(moved),
+            "kept_prefix": f"{sum(r[0] <= r[1] + scenario.BLOCK for r in moved)}/{len(moved)}",
+            "computed_per_new_moved": round(sum(r[0] for r in moved) / max(1, sum(r[1] for r in moved)), 2),
+            "cached_share_all": round(sum(r[2] for r in rows) / sum(r[3] for r in rows), 3),
+            "next_turn_s_moved": round(statistics.median([r[4] for r in moved]), 3) if moved else None,
+            "depot": {k: v for k, v in depot.items() if k in ("num_states_received", "num_states_taken")}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tiny", help="tiny (random weights) or default (SmolLM2-135M)")
+    parser.add_argument("--conversations", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--only", nargs="*", choices=SCENARIOS)
+    args = parser.parse_args()
+    model = tiny_model() if args.model == "tiny" else str(prepared_default())
+    base = start_ray()
+    os.system("grep -m1 -o 'avx512_bf16\\|avx2' /proc/cpuinfo | sort -u | tr '\\n' ' '; nproc")
+    for name in args.only or SCENARIOS:
+        for migration in (True, False):
+            print(run(name, model, migration, base, args.conversations, args.turns), flush=True)
+
+
+def tiny_model() -> str:
+    import tempfile
+    from pathlib import Path
+
+    from tests.tiny_models import make_tiny_llama
+
+    return str(make_tiny_llama(Path(tempfile.mkdtemp(prefix="tiny-migration-")), prepared_default()))
+
+
+def prepared_default():
+    from replicas.models.prepare import prepare_model
+
+    return prepare_model("default", progress=False)
+
+
+if __name__ == "__main__":
+    main()
