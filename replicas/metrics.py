@@ -22,6 +22,12 @@ COUNTERS = {
                                  "Prompt tokens served from the prefix cache instead of computed."),
     "num_generated_tokens": ("tether_replica_generated_tokens", "Tokens generated."),
     "num_preemptions": ("tether_replica_preemptions", "Sequences preempted for lack of KV blocks."),
+    "num_states_imported": ("tether_replica_states_imported",
+                            "Conversations imported from the StateDepot (moved here from a replica that left)."),
+    "num_imports_refused": ("tether_replica_state_imports_refused",
+                            "Migrated states refused: another model, dtype, kernel path or layout, or inconsistent."),
+    "num_depot_errors": ("tether_replica_depot_errors",
+                         "Depot takes that failed or timed out (the turn recomputed its history)."),
 }
 # Per routed request (one that carried the router's prediction for this replica).
 ROUTED = {
