@@ -63,8 +63,8 @@ def run(name: str, model: str, migration: bool, base: str, num_conversations: in
     old = scenario.wait_for(3, timeout_s=300)
     app = f"{base}/{scenario.APP}"
     scenario.wait_until_routed_to_each(app, sorted(old))
-    conversations = [{"messages": [{"role": "user", "content": f"Conversation {i}: name three rivers."}],
-                      "turns": []} for i in range(num_conversations)]
+    conversations = [{"messages": [{"role": "user", "content": text}], "turns": []}
+                     for text in scenario.spread_over(sorted(old), num_conversations)]
     for _ in range(num_turns):
         for conversation in conversations:
             scenario.next_turn(app, conversation)

@@ -73,6 +73,22 @@ def chat(base: str, messages: list[dict]) -> dict:
             "retention": details["retention"], "replica": reply.headers.get("x-tether-replica")}
 
 
+def spread_over(ids: list[str], count: int = NUM_CONVERSATIONS) -> list[str]:
+    """First messages of `count` conversations whose rendezvous owners cover every replica (at least
+    two each), so whichever replica Serve removes holds conversations."""
+    from cache_router.hashing import rendezvous_owner, route_key
+
+    texts, per_replica, i = [], dict.fromkeys(ids, 0), 0
+    while len(texts) < count:
+        text = f"Conversation {i}: name three rivers."
+        owner = rendezvous_owner(route_key("", MODEL, messages=[{"role": "user", "content": text}]), ids)
+        if per_replica[owner] < 2 or min(per_replica.values()) >= 2:
+            texts.append(text)
+            per_replica[owner] += 1
+        i += 1
+    return texts
+
+
 def next_turn(base: str, conversation: dict) -> dict:
     result = chat(base, conversation["messages"])
     k = len(conversation["turns"])
@@ -118,8 +134,8 @@ def conversations_on_three(serve_app):
         ids = wait_for(3)
         base = f"{serve_app}/{APP}"
         wait_until_routed_to_each(base, sorted(ids))
-        conversations = [{"messages": [{"role": "user", "content": f"Conversation {i}: name three rivers."}],
-                          "turns": []} for i in range(NUM_CONVERSATIONS)]
+        conversations = [{"messages": [{"role": "user", "content": text}], "turns": []}
+                         for text in spread_over(sorted(ids))]
         for _ in range(3):
             for conversation in conversations:
                 next_turn(base, conversation)
