@@ -1,8 +1,9 @@
 """CacheKnowledge: what one router believes each replica holds, from the replicas' reports and its own routing.
 
 Two sources, merged per replica:
-- reports: `ModelReplica.record_routing_stats()` returns `{"blocks": [...], "conversations": [...]}`
-  (short hashes of the cached KV blocks and of the retained conversations' history keys); the
+- reports: `ModelReplica.record_routing_stats()` returns `{"blocks": [...], "tier_blocks": [...],
+  "conversations": [...]}` (short hashes of the KV blocks in the pool and in the replica's host tier,
+  which restores them on a hit, so both count as held; and of the retained conversations' history keys); the
   router reads it from `RunningReplica.routing_stats` about one report period late, and a new
   report replaces the previous one;
 - its own routing: a request sent to a replica records the prompt's blocks and its route key
@@ -38,7 +39,7 @@ class _Recent:
 class _ReplicaView:
     def __init__(self, max_entries: int):
         self.report: dict | None = None  # the report the sets below were built from
-        self.blocks: frozenset[int] = frozenset()
+        self.blocks: frozenset[int] = frozenset()  # in the KV pool or in the host tier
         self.conversations: frozenset[int] = frozenset()
         self.routed_blocks = _Recent(max_entries)
         self.routed_keys = _Recent(max_entries)
@@ -63,7 +64,7 @@ class CacheKnowledge:
         if not report or report is view.report:
             return
         view.report = report
-        view.blocks = frozenset(report.get("blocks", ()))
+        view.blocks = frozenset(report.get("blocks", ())) | frozenset(report.get("tier_blocks", ()))
         view.conversations = frozenset(report.get("conversations", ()))
 
     def record_routed(self, replica_id: str, route_key: str | None, blocks: list[int],

@@ -21,6 +21,7 @@ from ray import serve
 
 from cache_router.hashing import short_hash
 
+from replicas.cache.host_tier import tier_stats
 from replicas.config import EngineConfig, MigrationConfig
 from replicas.device import resolve_threads
 from replicas.engine.async_engine import AsyncEngine
@@ -109,6 +110,7 @@ class ModelReplica:
                 "num_checkpoint_bytes": engine.checkpointer.pool.num_bytes if engine.checkpointer else 0,
                 "num_vision_runs": engine.vision.num_runs if engine.vision else 0,
                 "num_retained_tokens_kept": engine.retention.store.num_tokens,
+                "num_pool_evictions": pool.num_evictions, **tier_stats(engine.host_tier),
                 **vars(engine.migration_stats), **self.migrator.stats,
                 "num_resident_bytes": psutil.Process().memory_info().rss}
 
@@ -117,14 +119,16 @@ class ModelReplica:
         `request_routing_stats_period_s`. It also exports the replica's metrics.
 
         -> {"blocks": short hashes of the cached KV blocks (the newest MAX_REPORTED_BLOCKS),
+            "tier_blocks": those of the blocks in the host tier (restored on a hit; newest MAX_REPORTED_BLOCKS),
             "conversations": short history keys of the retained conversations, "num_running", "num_waiting"}
         """
         stats = self.engine_stats()
         self.metrics.update(stats)
         engine = self.engine.engine
         blocks = engine.block_pool.cached_hashes()[-MAX_REPORTED_BLOCKS:]
+        tier_blocks = engine.host_tier.block_hashes()[-MAX_REPORTED_BLOCKS:] if engine.host_tier else []
         return {"num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
-                "blocks": [short_hash(h) for h in blocks],
+                "blocks": [short_hash(h) for h in blocks], "tier_blocks": [short_hash(h) for h in tier_blocks],
                 "conversations": [short_hash(k) for k in engine.retention.store.keys()]}
 
     def check_health(self) -> None:

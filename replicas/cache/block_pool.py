@@ -6,10 +6,14 @@ least recently freed first; it can be found by hash and taken back (`touch`)
 until it is handed out again by `allocate`, which evicts its hash then. So
 free blocks = blocks with no reference; evictable = free blocks with a hash.
 
+`on_evict(block_id, block_hash)`, when set (the host tier's), is called as a hashed block is evicted,
+while its KV is still intact: the caller of `allocate` overwrites it only afterwards.
+
 Contract: `find` never modifies the pool; a block in use is never evicted.
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class BlockPool:
@@ -23,6 +27,7 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # hash -> block id, for full blocks whose KV is valid
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self.num_evictions = 0
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,6 +81,8 @@ class BlockPool:
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hashes[block_id]
         if block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(block_id, block_hash)
             del self.cached[block_hash]
             self.block_hashes[block_id] = None
             self.num_evictions += 1

@@ -11,10 +11,12 @@ exactly them. It carries what the linear layers cannot recompute, and what the f
                                                 prompt that is all checkpoint still gets its first logits
 
 Bounded: least recently used checkpoints go first past `max_bytes`; an evicted one costs a
-re-prefill, never a wrong token. Contract: `lookup` never modifies a checkpoint.
+re-prefill, never a wrong token, and goes to `on_evict(key, checkpoint)` when set (the host tier's).
+Contract: `lookup` never modifies a checkpoint.
 """
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,7 @@ class Checkpoint:
     recurrent_states: list[torch.Tensor]  # per linear layer: [HV, K, V] float32
     tail_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per full-attention layer: [num_tokens % bs, Hkv, D]
     hidden: torch.Tensor  # [hidden]
+    last_block_hash: bytes | None = None  # the last full block of its prefix: the host tier values it as that block
 
     @property
     def num_bytes(self) -> int:
@@ -45,6 +48,7 @@ class CheckpointPool:
         self.num_saves = 0
         self.num_hits = 0
         self.num_evictions = 0
+        self.on_evict: Callable[[bytes, "Checkpoint"], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -53,17 +57,23 @@ class CheckpointPool:
         return prefix_hash(token_ids) in self._entries
 
     def save(self, token_ids: list[int], checkpoint: Checkpoint) -> None:
-        key = prefix_hash(token_ids)
+        if self.put(prefix_hash(token_ids), checkpoint):
+            self.num_saves += 1
+
+    def put(self, key: bytes, checkpoint: Checkpoint) -> bool:
+        """Holds `checkpoint` under its prefix hash (a save, or one back from the host tier). -> held."""
         if key in self._entries or checkpoint.num_bytes > self.max_bytes:
-            return
+            return False
         self._entries[key] = checkpoint
         self._lengths[checkpoint.num_tokens] += 1
         self.num_bytes += checkpoint.num_bytes
-        self.num_saves += 1
         while self.num_bytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
+            evicted_key, evicted = self._entries.popitem(last=False)
             self._forget(evicted)
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(evicted_key, evicted)
+        return key in self._entries
 
     def lookup(self, token_ids: list[int], max_tokens: int) -> list[Checkpoint]:
         """Checkpoints of leading parts of `token_ids` no longer than `max_tokens`, longest first."""

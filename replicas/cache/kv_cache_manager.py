@@ -6,7 +6,9 @@
 Prefix reuse is by exact token ids only: full block i is found by the chained
 hash of blocks 0..i (cache_router.hashing.block_hashes, the router's function).
 A hit never covers the last token: at least one token is computed, so the first
-sampled token always has fresh logits (never an empty prefill).
+sampled token always has fresh logits (never an empty prefill). With a host tier
+(`tier`, replicas/cache/host_tier.py), admission first brings back the tier's
+blocks that continue the pool's hits, so the match finds them like any other.
 """
 
 from cache_router.hashing import block_hashes
@@ -20,6 +22,7 @@ class KVCacheManager:
         self.block_size = block_size
         # False for hybrid models: cached blocks are reused only with a state checkpoint (checkpointer.py).
         self.reuse_blocks_alone = reuse_blocks_alone
+        self.tier = None  # a HostTier, when the engine has one
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -53,10 +56,18 @@ class KVCacheManager:
         """Starts a request that holds no blocks: reuses its cached prefix, allocates for up to
         `num_new_tokens_budget` more tokens. Returns the tokens to compute now, or None (and no change)."""
         assert not request.block_table and request.num_computed_tokens == 0
+        use_tier = self.tier is not None and self.reuse_blocks_alone and not request.needs_prompt_logits
+        if use_tier:
+            self.update_hashes(request)
+            self.tier.restore(request.block_hashes, (request.num_tokens - 1) // self.block_size)
         hit = self.match_prefix(request)
         num_cached = len(hit) * self.block_size
         num_new = min(request.num_tokens - num_cached, num_new_tokens_budget)
-        return num_new if self.take(request, hit, num_cached, num_new) else None
+        if not self.take(request, hit, num_cached, num_new):
+            return None
+        if use_tier:  # once per admission, not per attempt
+            self.tier.note_use(request.block_hashes[:request.num_prompt_tokens // self.block_size])
+        return num_new
 
     def take(self, request: Request, shared: list[int], num_computed: int, num_new: int) -> bool:
         """Gives a request that holds no blocks the cached full blocks `shared` (its first tokens, up to

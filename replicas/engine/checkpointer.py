@@ -11,10 +11,15 @@ Restored when a request's leading ids are exactly a checkpoint's and the full bl
 still in the prefix cache (else the next shorter checkpoint, else from zero): full blocks shared,
 tail KV copied into a fresh block, state copied into the request's slot. A checkpoint covering the
 whole prompt leaves nothing to compute: the first token is sampled from its saved hidden row.
+
+With a host tier (`tier`): the checkpoint pool's evictions go to it, and admission first brings back
+the tier's checkpoints of the request's leading ids and the full blocks the longest one needs; the
+rules above then apply unchanged.
 """
 
 import torch
 
+from cache_router.hashing import prefix_hash
 from replicas.cache.checkpoints import Checkpoint, CheckpointPool
 from replicas.cache.kv_cache_manager import KVCacheManager
 from replicas.engine.request import Request, RequestStatus
@@ -32,6 +37,11 @@ class Checkpointer:
         self.block_size = kv_manager.block_size
         self.save_turn_ends = save_turn_ends
         self.every = every  # 0: off
+        self.tier = None  # a HostTier (attach_tier), or None
+
+    def attach_tier(self, tier) -> None:
+        self.tier = tier
+        self.pool.on_evict = tier.store_checkpoint
 
     def plan(self, request: Request, boundaries: list[int]) -> None:
         """Sets where the request's state is saved on the way: the given boundaries, every K prompt tokens."""
@@ -46,12 +56,34 @@ class Checkpointer:
         """Starts a request that holds no blocks (its state slot is already assigned): from the longest
         usable checkpoint, else from zero. Returns the tokens to compute now (0: a whole-prompt hit),
         or None (and no change) if the pool is short."""
+        num_tokens = self._admit(request, budget)
+        if num_tokens is not None and self.tier is not None:  # once per admission, not per attempt
+            self.kv_manager.update_hashes(request)
+            self.tier.note_use(request.block_hashes[:request.num_prompt_tokens // self.block_size])
+        return num_tokens
+
+    def _admit(self, request: Request, budget: int) -> int | None:
         if not request.needs_prompt_logits:
+            if self.tier is not None:
+                self.kv_manager.update_hashes(request)
+                self.bring_back(request.token_ids, request.block_hashes)
             for checkpoint in self.pool.lookup(request.token_ids, request.num_tokens):
                 num_tokens = self._restore(request, checkpoint, budget)
                 if num_tokens is not False:
                     return num_tokens
         return self.kv_manager.admit(request, min(budget, request.tokens_to_next_checkpoint()))
+
+    def bring_back(self, token_ids: list[int], block_hashes: list[bytes]) -> None:
+        """The tier's checkpoints of leading parts of `token_ids` (whose chained block hashes are
+        `block_hashes`), longer than the pool's longest, come back to the pool, then the tier's full blocks
+        that continue the pool's, up to the longest checkpoint's."""
+        held = self.pool.lookup(token_ids, len(token_ids))
+        longest = held[0].num_tokens if held else 0
+        for checkpoint in self.tier.take_checkpoints(token_ids, len(token_ids), longest):
+            self.pool.put(prefix_hash(token_ids[:checkpoint.num_tokens]), checkpoint)
+            longest = max(longest, checkpoint.num_tokens)
+        if longest >= self.block_size:
+            self.tier.restore(block_hashes, longest // self.block_size)
 
     def _restore(self, request: Request, checkpoint: Checkpoint, budget: int):
         """-> tokens to compute, None if the pool is short, False if the checkpoint's blocks are gone."""
@@ -111,6 +143,9 @@ class Checkpointer:
         block = request.block_table[num_tokens // self.block_size] if tail else None
         tail_kv = [(k[block, :tail].clone(), v[block, :tail].clone()) if tail else (k[:0, 0], v[:0, 0])
                    for k, v in self.kv_caches]
+        num_full = num_tokens // self.block_size
+        self.kv_manager.update_hashes(request)
         self.pool.save(ids, Checkpoint(num_tokens, [layer.conv_state[slot].clone() for layer in self.linear_states],
                                        [layer.recurrent_state[slot].clone() for layer in self.linear_states],
-                                       tail_kv, request.last_hidden.clone()))
+                                       tail_kv, request.last_hidden.clone(),
+                                       request.block_hashes[num_full - 1] if num_full else None))

@@ -15,6 +15,7 @@ import torch
 
 from replicas.cache.block_pool import BlockPool
 from replicas.cache.checkpoints import CheckpointPool
+from replicas.cache.host_tier import HostTier
 from replicas.cache.kv_cache_manager import KVCacheManager
 from replicas.cache.state_slots import StateSlotPool
 from replicas.config import EngineConfig
@@ -69,6 +70,14 @@ class Engine:
         if self.is_hybrid and config.enable_state_checkpoints and config.enable_prefix_caching:
             self.checkpointer = Checkpointer(CheckpointPool(config.checkpoint_bytes), kv_manager, kv_caches,
                                              linear_states, save_turn_ends=True, every=config.checkpoint_every)
+        # Host tier: evicted blocks (and checkpoints) kept packed in host memory, restored on a hit; else None.
+        self.host_tier = None
+        if config.host_tier_bytes and config.enable_prefix_caching and (not self.is_hybrid or self.checkpointer):
+            self.host_tier = HostTier(config.host_tier_bytes, config.host_tier_codec)
+            self.host_tier.attach(self.block_pool, kv_caches)
+            kv_manager.tier = self.host_tier
+            if self.checkpointer is not None:
+                self.checkpointer.attach_tier(self.host_tier)
         self.scheduler = Scheduler(kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    StateSlotPool(config.max_num_seqs) if self.is_hybrid else None, self.checkpointer)
         # Structured outputs: the bitmask covers the logits' width (the model's vocab_size, which may exceed

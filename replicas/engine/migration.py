@@ -2,7 +2,7 @@
 
 Export (a replica leaving: replicas/deployment.py), most recently used conversation first, under a byte
 budget and a deadline. For each retained conversation (its ids, under every history key that names
-them): the KV of its leading full blocks still in the pool, and on a hybrid model the longest
+them): the KV of its leading full blocks still in the pool or the host tier (brought back first), and on a hybrid model the longest
 checkpoint of its ids whose full blocks are among them (blocks past that checkpoint are left: without
 a checkpoint a hybrid model cannot use them). A conversation whose KV is gone still moves its ids.
 
@@ -45,7 +45,7 @@ def engine_layout(engine) -> StateLayout:
 
 def export_states(engine, max_bytes: int, deadline: float) -> list[ConversationState]:
     """The engine's retained conversations as states, most recently used first, at most `max_bytes` in
-    all, exported before `deadline` (time.monotonic()). Reads the pool; changes nothing."""
+    all, exported before `deadline` (time.monotonic()). Changes nothing but what the host tier brings back."""
     groups: dict[tuple[str, tuple[int, ...]], list[str]] = {}  # (caller, ids) -> keys, most recent first
     for key, entry in reversed(engine.retention.store.items()):
         groups.setdefault((entry.caller, tuple(entry.token_ids)), []).append(key)
@@ -67,6 +67,11 @@ def export_states(engine, max_bytes: int, deadline: float) -> list[ConversationS
 
 def _export_one(engine, caller: str, ids: list[int], keys: list[str]) -> ConversationState:
     hashes = block_hashes(ids, engine.config.block_size)
+    if engine.host_tier is not None:  # what the host tier holds of it moves too: back into the pools first
+        if engine.checkpointer is not None:
+            engine.checkpointer.bring_back(ids, hashes)
+        else:
+            engine.host_tier.restore(hashes, len(hashes))
     held = []  # the leading full blocks the pool still holds
     for block_hash in hashes:
         block_id = engine.block_pool.find(block_hash)
