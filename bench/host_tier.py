@@ -11,7 +11,8 @@ sends the same ids.
 
 Modes: (a) an unbounded pool (its cached blocks at the end are the working set W); (b) a pool of W / 4
 blocks, no tier; (c) the same pool + a host tier of --tiers times the pool's byte budget (1: the same
-budget); (e) the 1x tier without packing (a raw copy). Per mode: the share of prompt tokens served from
+budget); (e) the 1x tier without packing (a raw copy); (f) a pool of W / 2, no tier: the RAM of (c) at 1x,
+all of it pool (on CPU, what raising kv_cache_bytes instead buys). Per mode: the share of prompt tokens served from
 cache (engine counters: cached / (cached + computed)); the tier's packing ratio, its packing and restore
 costs per token (restore: unpack + write back into the pool) and its seconds on the step thread in all;
 `differ`: replies unlike mode (a)'s. The tier is lossless; on bfloat16 a reply can still differ because a
@@ -166,6 +167,8 @@ def main() -> None:
     for x in (float(v) for v in args.tiers.split(",")):
         results[f"(c) pool W/4 + tier {x:g}x, zlib"] = run_mode(model, args, script, num_kv_blocks=pool,
                                                                host_tier_bytes=int(x * pool_bytes))
+    # The same RAM as (c) at 1x, all of it pool: what a CPU replica gets from raising kv_cache_bytes instead.
+    results["(f) pool W/2, no tier"] = run_mode(model, args, script, num_kv_blocks=2 * pool)
     if not args.no_raw_copy:
         results["(e) pool W/4 + tier 1x, raw copy"] = run_mode(model, args, script, num_kv_blocks=pool,
                                                                host_tier_bytes=pool_bytes, host_tier_codec="none")
