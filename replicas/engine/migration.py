@@ -2,9 +2,11 @@
 
 Export (a replica leaving: replicas/deployment.py), most recently used conversation first, under a byte
 budget and a deadline. For each retained conversation (its ids, under every history key that names
-them): the KV of its leading full blocks still in the pool or the host tier (brought back first), and on a hybrid model the longest
-checkpoint of its ids whose full blocks are among them (blocks past that checkpoint are left: without
-a checkpoint a hybrid model cannot use them). A conversation whose KV is gone still moves its ids.
+them): the KV of its leading full blocks still in the pool or the host tier (brought back first), and
+on a hybrid model the longest checkpoint of its ids whose full blocks are among them (blocks past that
+checkpoint are left: without a checkpoint a hybrid model cannot use them). A conversation whose KV is
+gone still moves its ids; so does an earlier turn of a conversation already exported (its blocks are a
+prefix of that state's: the chained hash of its last block says so).
 
 Import (the next turn arrived at a replica that does not hold the conversation): the state is checked
 whole (ConversationState.check: layout, hashes, shapes) and refused on any difference; then the blocks
@@ -49,12 +51,15 @@ def export_states(engine, max_bytes: int, deadline: float) -> list[ConversationS
     groups: dict[tuple[str, tuple[int, ...]], list[str]] = {}  # (caller, ids) -> keys, most recent first
     for key, entry in reversed(engine.retention.store.items()):
         groups.setdefault((entry.caller, tuple(entry.token_ids)), []).append(key)
-    states, total = [], 0
+    states, total, carried = [], 0, set()  # carried: the block hashes an exported state already carries
     for (caller, ids), keys in groups.items():
         if time.monotonic() >= deadline:
             engine.migration_stats.num_states_left_behind += 1
             continue
         state = _export_one(engine, caller, list(ids), keys)
+        if state.block_hashes and state.block_hashes[-1] in carried:  # an earlier turn of a state exported:
+            state.block_hashes, state.kv, state.checkpoint = [], None, None  # its ids alone (chained hashes)
+        carried.update(state.block_hashes)
         if total + state.num_bytes > max_bytes:
             engine.migration_stats.num_states_left_behind += 1
             continue
