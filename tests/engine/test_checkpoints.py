@@ -40,7 +40,7 @@ def run(engine: Engine, prompt: list[int], max_tokens: int = 6, boundaries: list
 
 def poison(engine: Engine) -> None:
     """Garbage in every state slot and every block no one holds or caches: a restore must copy what it needs."""
-    for layer in engine.runner.linear_states:
+    for layer in engine.runner.linear_states or []:
         layer.conv_state.normal_()
         layer.recurrent_state.normal_()
     pool = engine.block_pool

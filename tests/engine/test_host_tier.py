@@ -10,6 +10,7 @@ from replicas.config import EngineConfig
 from replicas.engine.engine import Engine
 from replicas.messages import GenerateRequest, SamplingParams
 from tests.engine.conftest import prompts
+from tests.engine.test_checkpoints import poison
 
 BLOCK = 4
 A, B, C = prompts([26, 30, 30], start=500)
@@ -29,18 +30,6 @@ def run(engine: Engine, prompt: list[int], max_tokens: int = 8) -> tuple[list[in
     while engine.has_unfinished():
         out += [t for d in engine.step() for t in d.token_ids]
     return out, {"cached": req.num_cached_tokens, "computed": engine.stats.num_prompt_tokens_computed - before}
-
-
-def poison(engine: Engine) -> None:
-    """Garbage in every state slot and every block no one holds or caches: a restore must write what it needs."""
-    for layer in engine.runner.linear_states or []:
-        layer.conv_state.normal_()
-        layer.recurrent_state.normal_()
-    pool = engine.block_pool
-    unused = [b for b in range(pool.num_blocks) if pool.ref_counts[b] == 0 and pool.block_hashes[b] is None]
-    for k_cache, v_cache in engine.runner.kv_caches:
-        k_cache[unused] = torch.randn_like(k_cache[unused])
-        v_cache[unused] = torch.randn_like(v_cache[unused])
 
 
 def conversation(engine: Engine) -> tuple[list[int], list[int], dict]:
