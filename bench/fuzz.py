@@ -43,6 +43,10 @@ def openai_error_shape(ctx, response, case):
 
 
 def _is_valid_count(value, low: int, high: int) -> bool:
+    """An integer the server accepts as a count: an int, or a float with an integral value (436.0: pydantic
+    takes it as 436, so it must be capped too, or a case asks for n x 436 tokens)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
