@@ -7,9 +7,12 @@ ModelReplicas; `--conversations` chats of `--turns` turns each; then one change,
 every conversation. Per scenario, with migration on and off (`migration.enabled`): the next turn's prompt
 tokens computed vs the new tokens it added (a kept prefix computes new + at most one block), the share of
 prompt tokens served from cache, time to the answer, failed requests, and the StateDepot's counters.
+A light load (one client chatting on two conversations every 0.2 s) runs through every change:
+"kept_during_change" counts its turns that computed at most new + one block while the change ran (a turn
+that arrives between the router dropping a leaving replica and that replica's export recomputes).
   scale-in   `deployments: [{name: ModelReplica, num_replicas: 2}]`: one replica leaves.
-  rolling    a ray_actor_options change restarts every replica one by one, under a light load (one client
-             chatting every 0.2 s); the StateDepot stays (its version is unchanged).
+  rolling    a ray_actor_options change restarts every replica one by one; the StateDepot stays (its
+             version is unchanged).
   app-roll   a changed `args` (engine.stream_interval) gives every deployment a new version: the depot
              rolls too and hands its states to its successor.
 """
@@ -68,8 +71,8 @@ def run(name: str, model: str, migration: bool, base: str, num_conversations: in
     for _ in range(num_turns):
         for conversation in conversations:
             scenario.next_turn(app, conversation)
-    failures, stop = [], threading.Event()
-    load = threading.Thread(target=light_load, args=(app, conversations[:2], stop, failures))
+    failures, during, stop = [], [], threading.Event()
+    load = threading.Thread(target=light_load, args=(app, conversations[:2], stop, failures, during))
     load.start()
     started = time.monotonic()
     scenario.deploy(change(name, model, migration))
@@ -88,14 +91,20 @@ def run(name: str, model: str, migration: bool, base: str, num_conversations: in
     depot = serve.get_deployment_handle("StateDepot", app_name=scenario.APP).depot_stats.remote().result() \
         if migration else {}
     serve.delete(scenario.APP)
-    return summarize(name, migration, rows, failures, took, depot)
+    summary = summarize(name, migration, rows, failures, took, depot)
+    summary["kept_during_change"] = f"{sum(c <= n + scenario.BLOCK for c, n in during)}/{len(during)}"
+    return summary
 
 
-def light_load(app: str, conversations: list[dict], stop: threading.Event, failures: list) -> None:
+def light_load(app: str, conversations: list[dict], stop: threading.Event, failures: list,
+               during: list) -> None:
+    """One client chatting every 0.2 s; `during` gets (computed, new) of each of its turns."""
     i = 0
     while not stop.is_set():
+        conversation = conversations[i % len(conversations)]
         try:
-            scenario.next_turn(app, conversations[i % len(conversations)])
+            result = scenario.next_turn(app, conversation)
+            during.append((len(result["prompt"]) - result["cached"], scenario.new_tokens(conversation)))
         except Exception as exc:
             failures.append(repr(exc))
         i += 1
