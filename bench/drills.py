@@ -23,7 +23,7 @@ fault and not ended by then; "new" = started after it. A request ends `ok` ([DON
                     new requests fail during it; in-flight streams finish or end with an error event; none hangs.
   ingress-killed    ray.kill of the Ingress replica. Pass: in-flight streams end within 10 s; new requests
                     all succeed from at most 30 s on.
-Preparation drills (no Ray):
+Preparation drills (no Ray; bench/prepare_drills.py):
   cache-unwritable  prepare into a read-only tmpfs, and into a full one (1 MB). Pass: exit 2 and one line
                     "error: cannot write the model cache <dir>: <why> ..." each; nothing left but the lock.
   prepare-killed    SIGKILL of `python -m replicas.models.prepare default` once its temporary directory
@@ -36,8 +36,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +46,7 @@ import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.prepare_drills import drill_cache_unwritable, drill_prepare_killed  # noqa: E402
 from tests.faulty_replica import faulty_replica_class  # noqa: E402
 
 APP = "drills"
@@ -306,77 +305,6 @@ async def drill_ingress_killed(base_url: str, args) -> tuple[bool, str]:
 
 def fmt(seconds: float | None) -> str:
     return "never" if seconds is None else f"{seconds:.1f}"
-
-
-# -- preparation drills (no Ray) ----------------------------------------------------------------------------
-
-def mount_tmpfs(where: Path, options: str) -> bool:
-    where.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                          capture_output=True).returncode == 0
-
-
-def prepare_cli(cache_dir: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "replicas.models.prepare", "default", "--cache-dir",
-                             str(cache_dir), "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def drill_cache_unwritable() -> tuple[bool | None, str]:
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for label, options in (("read-only", "ro,size=1m"), ("full", "size=1m")):
-            where = Path(tmp) / label
-            if not mount_tmpfs(where, options):
-                return None, "cannot mount a tmpfs here (needs root)"
-            try:
-                start = time.monotonic()
-                proc = prepare_cli(where)
-                _, stderr = proc.communicate(timeout=120)
-                seconds = time.monotonic() - start
-                models = where / "models"
-                left = sorted(p.name for p in models.iterdir()) if models.exists() else []
-            finally:
-                subprocess.run(["umount", str(where)], check=True)
-            line = stderr.strip().splitlines()[-1] if stderr.strip() else ""
-            ok = (proc.returncode == 2 and line.startswith(f"error: cannot write the model cache {where}: ")
-                  and all(name.endswith(".lock") for name in left))
-            results.append((ok, f"{label}: exit {proc.returncode} after {seconds:.1f} s, {line[:110]!r}"))
-    return all(ok for ok, _ in results), "; ".join(text for _, text in results)
-
-
-def drill_prepare_killed() -> tuple[bool, str]:
-    from replicas.models.architectures import check_model_dir
-    from replicas.models.prepare import cached_dir, default_gguf_path, is_complete
-
-    with tempfile.TemporaryDirectory() as tmp:
-        cache = Path(tmp)
-        target = cached_dir(default_gguf_path().resolve(), cache)
-        start = time.monotonic()
-        proc = prepare_cli(cache)
-        weights = None
-        while proc.poll() is None and time.monotonic() - start < 120:
-            weights = next(iter(target.parent.glob(f".{target.name}.tmp-*/model.safetensors")), None) \
-                if target.parent.exists() else None
-            if weights is not None:
-                break
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        killed_at = time.monotonic() - start
-        half_written = weights is not None and not target.exists()
-        start = time.monotonic()
-        rerun = prepare_cli(cache)
-        stdout, stderr = rerun.communicate(timeout=300)
-        seconds = time.monotonic() - start
-        complete = rerun.returncode == 0 and stdout.strip().splitlines()[-1] == str(target) and is_complete(target)
-        if complete:
-            check_model_dir(str(target))
-        leftovers = list(target.parent.glob(f".{target.name}.tmp-*"))
-    ok = half_written and complete and not leftovers
-    return ok, (f"killed {killed_at:.1f} s in, mid-write of the weights (no model directory: {half_written}); "
-                f"the next run completed it in {seconds:.1f} s (marker, loads: {complete}); "
-                f"temporaries left: {len(leftovers)}")
 
 
 # -- main ------------------------------------------------------------------------------------------------

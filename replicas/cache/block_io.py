@@ -39,6 +39,7 @@ def insert_cached(pool: BlockPool, kv_caches: list[tuple[torch.Tensor, torch.Ten
     if not pool.enable_caching:
         return 0
     taken = []  # referenced while inserting, so no allocation here evicts a block of this chain
+    written, rows = [], []  # the blocks allocated here, and which of `blocks` each one takes
     for i, block_hash in enumerate(hashes):
         block_id = pool.find(block_hash)
         if block_id is not None:
@@ -47,8 +48,11 @@ def insert_cached(pool: BlockPool, kv_caches: list[tuple[torch.Tensor, torch.Ten
             break
         else:
             [block_id] = pool.allocate(1)
-            write_blocks(kv_caches, [block_id], blocks[i:i + 1])
             pool.set_hash(block_id, block_hash)
+            written.append(block_id)
+            rows.append(i)
         taken.append(block_id)
+    if written:  # one copy for them all
+        write_blocks(kv_caches, written, blocks[rows])
     pool.free(taken[::-1])  # tail first, as a finished request frees: its tail is evicted before its head
     return len(taken)

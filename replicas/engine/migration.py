@@ -56,9 +56,11 @@ def export_states(engine, max_bytes: int, deadline: float) -> list[ConversationS
         if time.monotonic() >= deadline:
             engine.migration_stats.num_states_left_behind += 1
             continue
-        state = _export_one(engine, caller, list(ids), keys)
-        if state.block_hashes and state.block_hashes[-1] in carried:  # an earlier turn of a state exported:
-            state.block_hashes, state.kv, state.checkpoint = [], None, None  # its ids alone (chained hashes)
+        hashes = block_hashes(ids, engine.config.block_size)
+        if hashes and hashes[-1] in carried:  # an earlier turn of a state exported (chained hashes): its ids alone
+            state = ConversationState(engine.layout, caller, list(keys), list(ids))
+        else:
+            state = _export_one(engine, caller, list(ids), keys, hashes)
         carried.update(state.block_hashes)
         if total + state.num_bytes > max_bytes:
             engine.migration_stats.num_states_left_behind += 1
@@ -70,8 +72,8 @@ def export_states(engine, max_bytes: int, deadline: float) -> list[ConversationS
     return states
 
 
-def _export_one(engine, caller: str, ids: list[int], keys: list[str]) -> ConversationState:
-    hashes = block_hashes(ids, engine.config.block_size)
+def _export_one(engine, caller: str, ids: list[int], keys: list[str], hashes: list[bytes]) -> ConversationState:
+    """hashes: the chained hashes of the full blocks of `ids`."""
     if engine.host_tier is not None:  # what the host tier holds of it moves too: back into the pools first
         if engine.checkpointer is not None:
             engine.checkpointer.bring_back(ids, hashes)
