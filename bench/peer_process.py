@@ -22,6 +22,7 @@ class Running:
     precision: str
     stop: Callable[[], None]
     pid: int  # the server's process (this one for Tether)
+    engine_steps: Callable[[], list[tuple[int, float]]] | None = None  # Tether: its engine's latest steps
 
 
 def ensure_installed(venv: Path, requirement: str, post: list[list[str]], env: dict, log_path: Path,

@@ -27,6 +27,7 @@ class Reply:
     tokens: int  # completion tokens: usage, else max_tokens on finish_reason "length", else content chunks
     prompt_tokens: int | None
     cached_tokens: int | None  # None: not reported
+    gaps_s: list[float]  # between consecutive content chunks
 
 
 def stream_chat(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int, extra: dict) -> Reply:
@@ -51,7 +52,8 @@ def stream_chat(client: openai.OpenAI, model: str, messages: list[dict], max_tok
         tokens = max_tokens if finish_reason == "length" else len(stamps)
     details = usage and usage.prompt_tokens_details
     return Reply("".join(text), stamps[0] - start, stamps[-1] - stamps[0], end - start, tokens,
-                 usage and usage.prompt_tokens, details.cached_tokens if details else None)
+                 usage and usage.prompt_tokens, details.cached_tokens if details else None,
+                 [b - a for a, b in zip(stamps, stamps[1:])])
 
 
 @dataclass
@@ -60,6 +62,8 @@ class Workbench:
     model: str
     body: Callable[[int | None], dict]
     long_prompts: Callable[[str, int], str]  # nonce, tokens -> a user message of that size that starts with it
+    # Tether only: the engine's latest (deltas, seconds) steps, cleared on reading: its own pace.
+    engine_steps: Callable[[], list[tuple[int, float]]] | None = None
 
     def chat(self, messages: list[dict], max_tokens: int, fixed_length: bool = True) -> Reply:
         return stream_chat(self.client, self.model, messages, max_tokens,
@@ -73,12 +77,23 @@ def decode_1(bench: Workbench, rep: int) -> dict:
 
 def decode_8(bench: Workbench, rep: int) -> dict:
     prompts = [[{"role": "user", "content": QUESTIONS[(rep + i) % len(QUESTIONS)]}] for i in range(STREAMS)]
+    if bench.engine_steps:
+        bench.engine_steps()
     with ThreadPoolExecutor(STREAMS) as pool:
         start = time.perf_counter()
         replies = list(pool.map(lambda messages: bench.chat(messages, DECODE_TOKENS), prompts))
         wall = time.perf_counter() - start
     tokens = sum(reply.tokens for reply in replies)
-    return {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens}
+    gaps = sorted(gap for reply in replies for gap in reply.gaps_s)
+    run = {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens, "gap_p99_s": percentile(gaps, 0.99)}
+    if bench.engine_steps:  # the steps that decoded all the streams at once
+        full = sorted(seconds for deltas, seconds in bench.engine_steps() if deltas == STREAMS)
+        run["step_p99_s"] = percentile(full, 0.99) if full else None
+    return run
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def cold_ttft(bench: Workbench, rep: int, prompt_tokens: int) -> dict:

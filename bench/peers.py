@@ -125,33 +125,30 @@ def start_tether(workdir: Path) -> Running:
     config = AppConfig(model="default", dtype="auto", engine={"num_threads": THREADS})
     server = LocalServer(config)
     return Running(server.base_url, config.model_name(), server.replica.model_info()["dtype"], server.stop,
-                   os.getpid())
+                   os.getpid(), server.replica.recent_steps)
 
 
-def start_tether_serve(workdir: Path) -> Running:
-    """Tether as users run it: a local Ray instance, Serve's HTTP proxy, the Ingress, one ModelReplica."""
-    import ray
+def start_tether_serve(workdir: Path, proxy: bool = False) -> Running:
+    """Tether as users run it (configs/local.yaml): a local Ray instance, the Ingress answering HTTP itself,
+    one ModelReplica; proxy=True: through Serve's HTTP proxy instead (the old path)."""
     from ray import serve
 
-    from serve_app.app import build_app
+    from serve_app.local_ray import start_local_app, stop_local_app
 
     port = free_port()
     spec = {"model": "default", "dtype": "auto", "num_replicas": 1, "replica_num_cpus": THREADS,
             "engine": {"num_threads": THREADS}}
-    ray.init(num_cpus=THREADS, include_dashboard=False, log_to_driver=False)
+    if proxy:
+        spec["ingress"] = {"delta_channels": False}
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(spec), name="tether", route_prefix="/")
+        start_local_app(spec, None if proxy else port, proxy_port=port if proxy else None, num_cpus=THREADS)
         info = serve.get_deployment_handle("ModelReplica", app_name="tether").model_info.remote().result()
     except BaseException:
-        ray.shutdown()
+        stop_local_app()
         raise
-
-    def stop() -> None:
-        serve.shutdown()
-        ray.shutdown()
-
-    return Running(f"http://127.0.0.1:{port}", AppConfig(**spec).model_name(), info["dtype"], stop, os.getpid())
+    handle = serve.get_deployment_handle("ModelReplica", app_name="tether")
+    return Running(f"http://127.0.0.1:{port}", AppConfig(**spec).model_name(), info["dtype"], stop_local_app,
+                   os.getpid(), lambda: handle.recent_steps.remote().result())
 
 
 def start_llamacpp(workdir: Path) -> Running:
@@ -195,8 +192,10 @@ def llamacpp_body(fixed_tokens: int | None) -> dict:
 
 
 SYSTEMS = {
-    "tether": System("Tether (Ray Serve)", f"1 replica x {THREADS} threads (proxy, ingress, replica actors)",
+    "tether": System("Tether (Ray Serve)", f"1 replica x {THREADS} threads (ingress, replica actors; no proxy)",
                      start_tether_serve, ignore_eos_body),
+    "tether-proxy": System("Tether (Ray Serve, proxy path)", f"1 replica x {THREADS} threads (proxy, ingress, "
+                           "replica actors)", lambda workdir: start_tether_serve(workdir, proxy=True), ignore_eos_body),
     "tether-local": System("Tether (in-process)", f"1 replica x {THREADS} threads (LocalServer: no Ray)",
                            start_tether, ignore_eos_body),
     "llamacpp": System("llama.cpp", f"1 server x {THREADS} threads (n_threads={THREADS}, requests serialized)",
@@ -234,7 +233,7 @@ def bench_system(name: str, system: System, cache_dir: Path, reps: int, install:
     meter = ForeignCpu(server.pid)
     try:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
-        bench = Workbench(client, server.model, system.body, long_prompts)
+        bench = Workbench(client, server.model, system.body, long_prompts, server.engine_steps)
         bench.chat([{"role": "user", "content": "Hello!"}], 16)  # warm-up
         result.runs = {workload: [] for workload in WORKLOADS}
         for rep in range(reps):
@@ -322,6 +321,9 @@ def rows(result: Result) -> list[str]:
         cell(result, "decode-1", "tok_s") + fixed_length_note(result, "decode-1", DECODE_TOKENS),
         cell(result, "decode-1", "e2e_s", digits=2),
         cell(result, "decode-8", "tok_s") + fixed_length_note(result, "decode-8", DECODE_TOKENS * STREAMS),
+        cell(result, "decode-8", "gap_p99_s", 1000, 1),
+        cell(result, "decode-8", "step_p99_s", 1000, 1) if result.runs.get("decode-8") and
+        "step_p99_s" in result.runs["decode-8"][0] else "-",
         cell(result, "ttft-1k", "ttft_s", 1000, 0) + prompt_size_note(result, "ttft-1k"),
         cell(result, "ttft-100", "ttft_s", 1000, 0) + prompt_size_note(result, "ttft-100"),
         cell(result, "chat-8", "turn1_ttft_s", 1000, 0),
@@ -341,6 +343,8 @@ ROW_LABELS = [
     f"1 stream: decode tok/s ({DECODE_TOKENS} tokens, first->last token)",
     f"1 stream: end-to-end s ({DECODE_TOKENS} tokens)",
     f"{STREAMS} streams: aggregate tok/s ({DECODE_TOKENS} tokens each)",
+    f"{STREAMS} streams: p99 gap between content chunks (ms)",
+    f"{STREAMS} streams: the engine's own {STREAMS}-row step p99 (ms; Tether)",
     f"TTFT, ~{LONG_PROMPT_TOKENS:,}-token cold prompt (ms) [prompt tokens]",
     f"TTFT, ~{SHORT_PROMPT_TOKENS}-token cold prompt (ms) [prompt tokens]",
     f"{TURNS}-turn chat: TTFT turn 1 (ms)",

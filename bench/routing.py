@@ -12,7 +12,7 @@ a least-loaded router sticky by accident: the replica that just finished a turn 
 the less loaded one when the next turn of the same conversation arrives.
 "Turns moved" reports how often a turn landed on another replica than its previous
 turn. Routers:
-- tether: cache_router.ConversationRouter (the default of build_app / build_app_routed);
+- tether: cache_router.ConversationRouter (the default of build_app / build_app_with);
 - pow2: Ray Serve's default PowerOfTwoChoicesRequestRouter;
 - prefix-aware: Ray Serve LLM's PrefixCacheAffinityRouter (its char-level prefix
   tree over the prompt; given token ids, one character per id, since the replica
@@ -119,9 +119,9 @@ def routers() -> dict:
 def run_one(name: str, router, num_replicas: int, args) -> dict:
     from ray import serve
 
-    from serve_app.app import build_app_routed
+    from serve_app.app import build_app_with
 
-    app = build_app_routed({"model": args.model, "served_model_name": "bench", "num_replicas": num_replicas,
+    app = build_app_with({"model": args.model, "served_model_name": "bench", "num_replicas": num_replicas,
                             "replica_num_cpus": 0, "dtype": args.dtype,
                             "engine": {"num_threads": max(1, args.threads // num_replicas)}}, router)
     serve.run(app, name="bench", route_prefix="/")

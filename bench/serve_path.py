@@ -1,189 +1,292 @@
-"""What the Ray Serve path adds to time to first token: engine alone vs a no-op request vs the real thing.
+"""What the Ray Serve path costs per streamed token, path by path, with no model in the way.
 
-    python bench/serve_path.py [--prompt-tokens 100] [--reps 20] [--max-tokens 1] [--text] [--model default]
-                               [--threads 2]
+    python bench/serve_path.py [--paths proxy,direct] [--streams 1,8,32] [--tokens 64] [--step-ms 8] [--reps 3]
 
-Three measurements of the same kind of request (a `--prompt-tokens` token-id prompt, unique per
-repetition so every one is a cold prefill; with --text, English text of that many tokens, as the peers
-bench sends, which the ingress tokenizes and the engine gets tokenized the same way; greedy, --max-tokens
-output tokens, timed to the first),
-interleaved repetition by
-repetition so that machine noise hits all three alike:
-- engine:  the replica's AsyncEngine in this process: `generate()` called -> first delta;
-- no-op:   HTTP POST /v1/completions (streamed) through the production path -- Serve's proxy ->
-           Ingress (validation, rendering) -> handle -> ConversationRouter -> replica actor -> back --
-           where the replica is `NoopReplica`, which answers at once without a model: the cost of
-           the path itself;
-- serve:   the same request through the production app (`build_app`, one ModelReplica).
-The claim it checks (issue 7): median serve TTFT <= median engine TTFT + median no-op TTFT + 5 ms.
-Both Serve apps run side by side in one Ray instance (routes / and /noop); the replica gets all
-`--threads` threads, as does the in-process engine (only one of them works at a time).
+The replica is the production ModelReplica whose engine is `StepEngine`: every `--step-ms` it gives each
+running request one token (a step that sleeps, so the path's own CPU is all there is to measure). The
+ingress is the production Ingress. Each path runs in a fresh local Ray instance (its Serve flags are read
+at process start), and for each, `--streams` concurrent streaming /v1/completions of `--tokens` tokens:
+
+  proxy    Serve's HTTP proxy -> Ingress -> handle (Ray actor streams) -> replica (`ingress.http_port` unset)
+  direct   the Ingress answers HTTP itself (`ingress.http_port`, serve_app/front_door.py):
+           Ingress -> handle -> replica
+
+Reported per path and stream count (medians over --reps):
+- CPU ms per delivered token of each process (proxy, ingress, replica, the rest of Ray, the client);
+- TTFT above one step (what the path adds to the first token);
+- the inter-chunk gap p50 / p99 of each stream, against the step period.
+The host's CPU flags are printed first.
 """
 
 import argparse
 import asyncio
 import json
-import logging
 import os
 import statistics
+import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 
 import httpx
+import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from replicas.messages import GenerateDelta, GenerateRequest, SamplingParams  # noqa: E402
+from replicas.messages import GenerateDelta, GenerateRequest  # noqa: E402
 
-SLACK_S = 0.005  # what the issue allows the path beyond engine + no-op
-SETTLE_S = 0.2  # after a measurement that leaves tokens to generate (--max-tokens > 1), before the next one
-
-
-class NoopReplica:
-    """The ModelReplica contract with no model: one token at once. Measures the Serve path alone."""
-
-    def __init__(self, model_info: dict):
-        self.info = model_info
-
-    async def generate(self, request: GenerateRequest):
-        yield GenerateDelta(request.request_id, [0], "x", finish_reason="length",
-                            num_prompt_tokens=len(request.prompt_token_ids), num_generated_tokens=1,
-                            replica_id="noop")
-
-    def model_info(self) -> dict:
-        return self.info
-
-    def record_routing_stats(self) -> dict:
-        return {"num_running": 0, "num_waiting": 0, "blocks": [], "conversations": []}
+PROMPT_TOKENS = 16
 
 
-def unique_prompt(vocab_size: int, length: int, rep: int) -> list[int]:
-    """Token ids that share no leading block with any other repetition's (a cold prefill each time)."""
-    return [(1000 + rep * 7919 + i * 31) % (vocab_size - 1000) + 500 for i in range(length)]
+class StepEngine:
+    """The Engine surface AsyncEngine drives, with no model: each step takes `step_s` and gives every running
+    request its next token, until its max_tokens."""
+
+    def __init__(self, step_s: float):
+        self.step_s = step_s
+        self.running: dict[str, tuple[GenerateRequest, int]] = {}
+        self.grammars = self.vision = None
+
+    def check_request(self, request: GenerateRequest) -> None:
+        pass
+
+    def add_request(self, request: GenerateRequest, grammar=None) -> None:
+        self.running[request.request_id] = (request, 0)
+
+    def abort_request(self, request_id: str) -> None:
+        self.running.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def take_failures(self) -> list:
+        return []
+
+    def step(self) -> list[GenerateDelta]:
+        time.sleep(self.step_s)
+        deltas = []
+        for request_id, (request, made) in list(self.running.items()):
+            made += 1
+            done = made >= request.sampling.max_tokens
+            deltas.append(GenerateDelta(request_id, [100 + made % 50], " x", "length" if done else None,
+                                        len(request.prompt_token_ids), 0, made,
+                                        prompt_token_ids=request.prompt_token_ids if made == 1 else None))
+            if done:
+                del self.running[request_id]
+            else:
+                self.running[request_id] = (request, made)
+        return deltas
 
 
-def text_prompts(model: str, length: int):
-    """rep -> (text, its token ids as the ingress encodes a completions prompt): English, unique per rep."""
-    from bench.peer_workloads import long_prompt_builder
-    from replicas.models.prepare import prepare_model
-    from serve_app.render import Renderer
+def step_replica_class(step_s: float):
+    from replicas.deployment import ModelReplica
+    from replicas.engine.async_engine import AsyncEngine
 
-    build, renderer = long_prompt_builder(), Renderer(str(prepare_model(model, progress=False)))
+    class StepReplica(ModelReplica):
+        def __init__(self, engine_config: dict, migration: dict | None = None, depot=None):
+            from replicas.config import EngineConfig
+            from replicas.priority import run_at_normal_priority
 
-    def prompt(rep: int) -> tuple[str, list[int]]:
-        nonce = f"Request {rep}-{time.time_ns()}."
-        text = build(nonce, length)
-        return text, renderer.encode_prompt(text)
+            config = EngineConfig(**engine_config)
+            self.engine = AsyncEngine(lambda: StepEngine(step_s), 1, config.stream_interval)
+            run_at_normal_priority("StepReplica")
+            self._attach({"enabled": False}, None)
 
-    return prompt
+        def model_info(self) -> dict:
+            return {"max_model_len": 2048, "num_kv_blocks": 1024, "dtype": "none", "replica_id": self.replica_id}
 
+        def record_routing_stats(self) -> dict:
+            return {"num_running": 0, "num_waiting": 0, "blocks": [], "tier_blocks": [], "conversations": []}
 
-async def engine_ttft(engine, prompt: list[int], rep: int, max_tokens: int) -> float:
-    request = GenerateRequest(f"engine-{rep}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    start = time.perf_counter()
-    stream = engine.generate(request)
-    try:
-        await anext(stream)
-        return time.perf_counter() - start
-    finally:
-        await stream.aclose()
+    return StepReplica
 
 
-def http_ttft(client: httpx.Client, prefix: str, model: str, prompt: str | list[int], max_tokens: int = 1) -> float:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    start = time.perf_counter()
-    with client.stream("POST", f"{prefix}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():  # the first event that carries the token (its text may be empty)
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choices = json.loads(line[6:])["choices"]
-                if choices and (choices[0]["text"] or choices[0]["finish_reason"]):
-                    return time.perf_counter() - start
-    raise RuntimeError(f"no content from {prefix or '/'}")
+# -- one path ---------------------------------------------------------------------------------------------
 
 
-def deploy(args) -> tuple[str, dict]:
+def serve_path(path: str, step_s: float, port: int, stream_interval: int) -> str:
+    """Starts Ray + the app for `path` -> the base URL clients use."""
+    import ray
     from ray import serve
 
-    from serve_app.app import Ingress, build_app, router_config
-    from serve_app.config import AppConfig
+    from serve_app.app import build_app_with
 
-    spec = {"model": args.model, "served_model_name": "bench", "num_replicas": 1, "dtype": args.dtype,
-            "replica_num_cpus": 0, "engine": {"num_threads": args.threads}}
-    serve.run(build_app(spec), name="tether", route_prefix="/")
-    info = serve.get_deployment_handle("ModelReplica", app_name="tether").model_info.remote().result()
-    config = AppConfig(**spec)
-    noop = serve.deployment(NoopReplica, name="NoopReplica").options(request_router_config=router_config(config))
-    ingress = serve.deployment(Ingress, name="Ingress").options(ray_actor_options={"num_cpus": 0})
-    serve.run(ingress.bind(config.model_dump(), noop.bind(info)), name="noop", route_prefix="/noop")
-    return spec["served_model_name"], info
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    spec = {"model": "default", "served_model_name": "bench", "num_replicas": 1, "replica_num_cpus": 0,
+            "migration": {"enabled": False}, "engine": {"stream_interval": stream_interval}}
+    if path in ("direct", "channel"):
+        serve.start(proxy_location="Disabled")
+        spec["ingress"] = {"http_port": port, "delta_channels": path == "channel"}
+    else:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        spec["ingress"] = {"delta_channels": False}
+    serve.run(build_app_with(spec, replica_class=step_replica_class(step_s)), name="tether", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+def stop_ray() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def ray_processes() -> dict[str, list[psutil.Process]]:
+    """proxy, ingress, replica, ray (the rest: raylet, GCS, controller, workers), client (this process)."""
+    roles: dict[str, list[psutil.Process]] = {"proxy": [], "ingress": [], "replica": [], "ray": [], "client": []}
+    me = psutil.Process()
+    roles["client"].append(me)
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        if proc.pid == me.pid:
+            continue
+        cmd = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
+        if "haproxy" in cmd or "ProxyActor" in cmd:
+            roles["proxy"].append(proc)
+        elif "ServeReplica:tether:Ingress" in cmd:
+            roles["ingress"].append(proc)
+        elif "ServeReplica:tether:ModelReplica" in cmd:
+            roles["replica"].append(proc)
+        elif "ray" in cmd and ("raylet" in cmd or "gcs_server" in cmd or "ray::" in cmd or "default_worker" in cmd
+                               or "dashboard" in cmd or "log_monitor" in cmd):
+            roles["ray"].append(proc)
+    return roles
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+@dataclass
+class Stream:
+    ttft_s: float
+    gaps_s: list[float]
+    tokens: int
+
+
+async def one_stream(client: httpx.AsyncClient, tokens: int, rep: int) -> Stream:
+    body = {"model": "bench", "prompt": [rep % 1000 + i for i in range(PROMPT_TOKENS)], "max_tokens": tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    stamps, used = [], 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0]["text"]:
+                stamps.append(time.perf_counter())
+            if chunk.get("usage"):
+                used = chunk["usage"]["completion_tokens"]
+    return Stream(stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], used)
+
+
+def run_streams(base_url: str, num_streams: int, tokens: int, rep: int) -> list[Stream]:
+    async def run():
+        limits = httpx.Limits(max_connections=num_streams + 4)
+        async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one_stream(client, tokens, rep * 100 + i) for i in range(num_streams)))
+
+    return asyncio.run(run())
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def idle_load(seconds: float = 5.0) -> dict:
+    """Each role's CPU with no request in flight, in % of one core: what it takes from the engine anyway."""
+    roles = ray_processes()
+    before = {role: cpu_seconds(procs) for role, procs in roles.items()}
+    time.sleep(seconds)
+    return {role: (cpu_seconds(procs) - before[role]) / seconds * 100 for role, procs in roles.items()}
+
+
+def measure(base_url: str, num_streams: int, tokens: int, reps: int) -> dict:
+    roles = ray_processes()
+    samples = []
+    run_streams(base_url, num_streams, tokens, -1)  # warm-up
+    for rep in range(reps):
+        before = {role: cpu_seconds(procs) for role, procs in roles.items()}
+        streams = run_streams(base_url, num_streams, tokens, rep)
+        delivered = sum(s.tokens for s in streams)
+        cpu = {role: (cpu_seconds(procs) - before[role]) / delivered * 1e3 for role, procs in roles.items()}
+        gaps = [g for s in streams for g in s.gaps_s]
+        samples.append({"cpu_ms_per_token": cpu, "ttft_ms": statistics.median(s.ttft_s for s in streams) * 1e3,
+                        "gap_p50_ms": percentile(gaps, 0.5) * 1e3, "gap_p99_ms": percentile(gaps, 0.99) * 1e3})
+    med = lambda key: statistics.median(s[key] for s in samples)  # noqa: E731
+    return {"cpu_ms_per_token": {role: statistics.median(s["cpu_ms_per_token"][role] for s in samples)
+                                 for role in roles},
+            "ttft_ms": med("ttft_ms"), "gap_p50_ms": med("gap_p50_ms"), "gap_p99_ms": med("gap_p99_ms")}
+
+
+def cpu_flags() -> str:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    wanted = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
+    model = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True,
+                           text=True).stdout.strip()
+    return f"{model}, {os.cpu_count()} cores: {' '.join(sorted(wanted))}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompt-tokens", type=int, default=100)
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--text", action="store_true", help="English text prompts (tokenized by the ingress)")
-    parser.add_argument("--max-tokens", type=int, default=1, help="tokens each request generates (the no-op: 1); "
-                        "with more, the engine keeps decoding while the first token travels back")
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--port", type=int, default=8124)
+    parser.add_argument("--paths", default="proxy,direct,channel")
+    parser.add_argument("--streams", default="1,8,32")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--step-ms", type=float, default=8.0)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--stream-interval", type=int, default=1, help="engine.stream_interval")
+    parser.add_argument("--port", type=int, default=8126)
+    parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-
-    import ray
-    from ray import serve
-
-    from replicas.config import EngineConfig
-    from replicas.engine.async_engine import AsyncEngine
-    from replicas.engine.engine import Engine
-    from replicas.models.prepare import prepare_model
-
-    ray.init(num_cpus=max(2, args.threads), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    model, info = deploy(args)
-    config = EngineConfig(model=str(prepare_model(args.model, progress=False)), dtype=args.dtype)
-    engine = AsyncEngine(lambda: Engine(config), args.threads)
-    vocab = engine.engine.tokenizer.vocab_size
-    text_prompt = text_prompts(args.model, args.prompt_tokens) if args.text else None
-    loop = asyncio.new_event_loop()
-    times = {"engine": [], "no-op": [], "serve": []}
-    with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=120) as client:
-        for rep in range(-2, args.reps):  # two warm-up repetitions, not counted
-            if text_prompt:
-                prompt, prompt_ids = text_prompt(rep)
-            else:
-                prompt = prompt_ids = unique_prompt(vocab, args.prompt_tokens, rep + 2)
-            sample = {"engine": loop.run_until_complete(engine_ttft(engine, prompt_ids, rep, args.max_tokens))}
-            time.sleep(SETTLE_S)  # the aborted request's last step ends before the next measurement
-            sample["no-op"] = http_ttft(client, "/noop", model, prompt)
-            sample["serve"] = http_ttft(client, "", model, prompt, args.max_tokens)
-            time.sleep(SETTLE_S)
-            if rep >= 0:
-                for name, seconds in sample.items():
-                    times[name].append(seconds)
-    engine.shutdown()
-    serve.shutdown()
-    ray.shutdown()
-    report(times, info, args)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    print(cpu_flags())
+    results = {}
+    for path in args.paths.split(","):
+        base_url = serve_path(path, args.step_ms / 1e3, args.port, args.stream_interval)
+        try:
+            run_streams(base_url, 1, 4, -2)
+            results[f"{path}/idle"] = idle_load()
+            print(path, "idle % of a core", json.dumps(results[f"{path}/idle"]), flush=True)
+            for num_streams in map(int, args.streams.split(",")):
+                results[f"{path}/{num_streams}"] = measure(base_url, num_streams, args.tokens, args.reps)
+                print(path, num_streams, json.dumps(results[f"{path}/{num_streams}"]), flush=True)
+        finally:
+            stop_ray()
+    report(results, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
-def report(times: dict, info: dict, args) -> None:
-    med = {name: statistics.median(values) for name, values in times.items()}
-    kind = "text" if args.text else "token-id"
-    print(f"\n{args.prompt_tokens}-token {kind} prompt, {args.max_tokens} output tokens, {info['dtype']}, "
-          f"{args.threads} threads, "
-          f"medians of {args.reps} (ms):")
-    print("| path | TTFT p50 | min | max |\n|---|---|---|---|")
-    for name, values in times.items():
-        print(f"| {name} | {med[name] * 1e3:.1f} | {min(values) * 1e3:.1f} | {max(values) * 1e3:.1f} |")
-    added = med["serve"] - med["engine"] - med["no-op"]
-    print(f"\nserve - engine - no-op = {added * 1e3:+.1f} ms (allowed: +{SLACK_S * 1e3:.0f} ms): "
-          f"{'PASS' if added <= SLACK_S else 'FAIL'}")
+def report(results: dict, args) -> None:
+    print(f"\n{args.tokens} tokens per stream, a step every {args.step_ms:g} ms, stream_interval "
+          f"{args.stream_interval}, medians of {args.reps}:")
+    print("| path | streams | CPU ms/token: proxy | ingress | replica | other Ray | client | "
+          "TTFT - step (ms) | gap p50 | gap p99 (ms) |\n|---|---|---|---|---|---|---|---|---|---|")
+    for key, r in results.items():
+        path, streams = key.split("/")
+        if streams == "idle":
+            print(f"| {path} | idle, % of a core | {r['proxy']:.1f} | {r['ingress']:.1f} | {r['replica']:.1f} | "
+                  f"{r['ray']:.1f} | {r['client']:.1f} | | | |")
+            continue
+        cpu = r["cpu_ms_per_token"]
+        print(f"| {path} | {streams} | {cpu['proxy']:.2f} | {cpu['ingress']:.2f} | {cpu['replica']:.2f} | "
+              f"{cpu['ray']:.2f} | {cpu['client']:.2f} | {r['ttft_ms'] - args.step_ms:.1f} | "
+              f"{r['gap_p50_ms']:.1f} | {r['gap_p99_ms']:.1f} |")
 
 
 if __name__ == "__main__":

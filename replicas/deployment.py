@@ -27,15 +27,26 @@ from replicas.device import resolve_threads
 from replicas.engine.async_engine import AsyncEngine
 from replicas.engine.engine import Engine
 from replicas.heap import freeze_startup_heap
-from replicas.messages import GenerateRequest
+from replicas.delta_channel import DeltaChannels, Outbox
+from replicas.messages import ChannelTicket, GenerateRequest, RequestError
 from replicas.metrics import ReplicaMetrics
 from replicas.migrator import Migrator
 from replicas.models.architectures import check_model_dir
 from replicas.models.prepare import prepare_model
+from replicas.priority import run_at_normal_priority
 
 logger = logging.getLogger("ray.serve")
 
 MAX_REPORTED_BLOCKS = 1 << 16  # bounds one report to ~0.6 MB pickled
+
+
+def node_ip_address() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray
+        return "127.0.0.1"
 
 
 def current_replica_id() -> str:
@@ -48,6 +59,7 @@ def current_replica_id() -> str:
 class ModelReplica:
     def __init__(self, engine_config: dict, migration: dict | None = None, depot=None):
         """`migration`: MigrationConfig fields; `depot`: a handle to the app's StateDepot (None: nothing moves)."""
+        run_at_normal_priority("ModelReplica")  # before the step thread exists: its threads inherit it
         config = EngineConfig(**engine_config)
         # The model may be a spec ('default', a .gguf): prepare it on this node (cached, locked).
         config = config.model_copy(update={"model": str(prepare_model(config.model, progress=False))})
@@ -60,19 +72,41 @@ class ModelReplica:
             if isinstance(cause, ValueError):  # a model or config the engine refuses: its message, verbatim
                 raise cause from None
             raise
-        self.replica_id = current_replica_id()
-        self.migrator = Migrator(self.engine, MigrationConfig(**(migration or {})), depot)
-        self.metrics = ReplicaMetrics(self.replica_id)  # a no-op outside Ray
-        # Over the requests that came with the router's prediction for this replica.
-        self.routing = {"num_routed_requests": 0, "num_predicted_cached_tokens": 0,
-                        "num_delivered_cached_tokens": 0, "num_cache_shortfall_tokens": 0}
+        self._attach(migration, depot)
         logger.info("ModelReplica %s: %s, dtype %s, %d KV blocks, max_model_len %d, %d threads",
                     self.replica_id, config.model, self.engine.engine.dtype,
                     self.engine.engine.block_pool.num_blocks, self.engine.engine.max_model_len, num_threads)
         freeze_startup_heap(f"ModelReplica {self.replica_id}")
 
+    def _attach(self, migration: dict | None, depot) -> None:
+        """What serves `self.engine` beyond the engine itself: identity, delta channels, migration, metrics."""
+        self.replica_id = current_replica_id()
+        self.channels = DeltaChannels(self.replica_id, node_ip_address())
+        self.migrator = Migrator(self.engine, MigrationConfig(**(migration or {})), depot)
+        self.metrics = ReplicaMetrics(self.replica_id)  # a no-op outside Ray
+        # Over the requests that came with the router's prediction for this replica.
+        self.routing = {"num_routed_requests": 0, "num_predicted_cached_tokens": 0,
+                        "num_delivered_cached_tokens": 0, "num_cache_shortfall_tokens": 0}
+
     async def generate(self, request: GenerateRequest):
+        """Deltas on this call, or, when the caller's delta channel is connected here, a ChannelTicket on
+        this call and the deltas (and a RequestError, in order) over the channel (replicas/delta_channel.py)."""
         await self.migrator.before_turn(request)  # a conversation that moved here: import it first
+        route = await self.channels.outbox_or_offer(request.delta_channel)
+        if isinstance(route, Outbox):
+            yield ChannelTicket(self.replica_id)
+            try:
+                async for delta in self._deltas(request):
+                    route.send(request.request_id, delta)
+            except RequestError as exc:
+                route.send(request.request_id, exc)
+            return
+        if route is not None:
+            yield route  # a ChannelOffer: the caller connects, and its next requests take the channel
+        async for delta in self._deltas(request):
+            yield delta
+
+    async def _deltas(self, request: GenerateRequest):
         async for delta in self.engine.generate(request):
             delta.replica_id = self.replica_id
             if delta.finish_reason is not None:
@@ -114,6 +148,13 @@ class ModelReplica:
                 **vars(engine.migration_stats), **self.migrator.stats,
                 "num_resident_bytes": psutil.Process().memory_info().rss}
 
+    def recent_steps(self) -> list[tuple[int, float]]:
+        """(deltas made, seconds) of the engine's steps since the last call, oldest first (the latest
+        STEP_TIMES_KEPT at most); for benchmarks."""
+        steps = list(self.engine.step_times)
+        self.engine.step_times.clear()
+        return steps
+
     def record_routing_stats(self) -> dict:
         """What this replica holds, for the routers (cache_router/knowledge.py); Serve calls it every
         `request_routing_stats_period_s`. It also exports the replica's metrics.
@@ -153,5 +194,6 @@ class ModelReplica:
         try:
             await self.migrator.leave()
         finally:
+            self.channels.close()
             self.engine.shutdown()
 

@@ -128,6 +128,7 @@ class GenerateRequest:
     # from cache, and the policy step that chose; the replica reports predicted vs delivered.
     predicted_cached_tokens: dict[str, int] = field(default_factory=dict)
     route_reason: str = ""
+    delta_channel: str = ""  # the calling ingress loop's channel key ("": deltas come back on the call itself)
 
 
 @dataclass(slots=True)
@@ -173,6 +174,23 @@ class GenerateDelta:
                    last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, last.num_generated_tokens,
                    last.num_retained_tokens, last.retention, first.prompt_token_ids, logprobs, first.prompt_logprobs,
                    last.num_reasoning_tokens, last.replica_id)
+
+
+@dataclass(slots=True)
+class ChannelOffer:
+    """Yielded by `generate` before its first delta when the caller's `delta_channel` is not connected to
+    this replica: where to connect (replicas/delta_channel.py). The secret travels only over Ray."""
+    replica_id: str
+    host: str
+    port: int
+    secret: str
+
+
+@dataclass(slots=True)
+class ChannelTicket:
+    """Yielded by `generate` as its only item when this request's deltas (and a mid-generation error) go
+    over the caller's connected delta channel; the call then ends when the request does."""
+    replica_id: str
 
 
 class RequestError(Exception):

@@ -14,6 +14,7 @@ model, the weights) fails its constructor; after
 DEPLOY_FAILED with the error, and the ingress's `/health` answers 503.
 """
 
+import asyncio
 import logging
 import os
 
@@ -26,8 +27,10 @@ from replicas.depot import StateDepot
 from replicas.heap import freeze_startup_heap
 from replicas.models.architectures import check_model_dir
 from replicas.models.prepare import prepare_model
+from replicas.priority import run_at_normal_priority
 from serve_app.backend import HandleBackend
 from serve_app.config import AppConfig
+from serve_app.front_door import FrontDoor
 from serve_app.routes import OpenAIServer, make_api
 
 logger = logging.getLogger("ray.serve")
@@ -36,20 +39,46 @@ logger = logging.getLogger("ray.serve")
 @serve.ingress()
 class Ingress:
     def __init__(self, config: dict, replicas):
-        self.server = OpenAIServer.from_config(AppConfig(**config), HandleBackend(replicas))
+        run_at_normal_priority("Ingress")
+        app_config = AppConfig(**config)
+        backend = HandleBackend(replicas, app_config.ingress.delta_channels)
+        self.server = OpenAIServer.from_config(app_config, backend)
+        self.api = make_api(self.server)
+        ingress = app_config.ingress
+        self.front_door = None
+        if ingress.http_port is not None:  # the fast path: this replica answers HTTP itself
+            self.front_door = FrontDoor(self.api, ingress.http_host, ingress.http_port, ingress.drain_timeout_s)
         freeze_startup_heap("Ingress")
 
     def __serve_build_asgi_app__(self):
-        return make_api(self.server)
+        return self.api  # through Serve's proxy: the same app
+
+    def check_health(self) -> None:
+        if self.front_door is not None and not self.front_door.is_alive:
+            raise RuntimeError("the Ingress's HTTP server stopped")
+
+    def __del__(self):
+        """Serve awaits what this returns when it removes the replica: the front door drains first."""
+        front_door = getattr(self, "front_door", None)
+        if front_door is None:
+            return None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            front_door.close()
+            return None
+        return asyncio.to_thread(front_door.close)
 
 
 def build_app(args: dict) -> serve.Application:
     """The builder `serve run` / `serve deploy` call: Serve requires exactly one parameter, the args."""
-    return build_app_routed(args, None)
+    return build_app_with(args)
 
 
-def build_app_routed(args: dict, request_router: RequestRouterConfig | None) -> serve.Application:
-    """`request_router` replaces the ConversationRouter (bench/routing.py compares Ray's own routers)."""
+def build_app_with(args: dict, request_router: RequestRouterConfig | None = None,
+                   replica_class: type = ModelReplica) -> serve.Application:
+    """`request_router` replaces the ConversationRouter (bench/routing.py compares Ray's own routers);
+    `replica_class` the ModelReplica (bench/serve_path.py measures the path with a model-less one)."""
     config = AppConfig(**_parse_args(args))  # validated here, once, not on a replica
     engine = config.engine
     if os.path.exists(engine.model):
@@ -76,12 +105,14 @@ def build_app_routed(args: dict, request_router: RequestRouterConfig | None) -> 
         replica_options["autoscaling_config"] = AutoscalingConfig(min_replicas=1, max_replicas=4)
     else:
         replica_options["num_replicas"] = config.num_replicas
-    replicas = serve.deployment(ModelReplica, name="ModelReplica").options(**replica_options)
+    replicas = serve.deployment(replica_class, name="ModelReplica").options(**replica_options)
     # The proxy's queue for the ingress is bounded too (past it Serve answers 503), so nothing
-    # waits without bound between the client and a replica.
+    # waits without bound between the client and a replica. A leaving Ingress drains its own HTTP server
+    # (the fast path) within drain_timeout_s: Serve waits that long, with margin, before killing it.
     ingress = serve.deployment(Ingress, name="Ingress").options(
         max_ongoing_requests=config.ingress.max_queued_requests + 8,
-        max_queued_requests=config.ingress.max_queued_requests, ray_actor_options={"num_cpus": 0})
+        max_queued_requests=config.ingress.max_queued_requests, ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=config.ingress.drain_timeout_s + 5, graceful_shutdown_wait_loop_s=0.25)
     depot = None
     if config.migration.enabled:
         depot = serve.deployment(StateDepot, name="StateDepot").options(

@@ -16,6 +16,19 @@ class IngressConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     api_keys: list[str] = Field(default_factory=list, description="Bearer tokens accepted; empty: no auth.")
+    http_port: int | None = Field(
+        None, ge=1, le=65535, description="The fast path: each Ingress replica serves HTTP itself on this port "
+                                          "(SO_REUSEPORT: replicas on one node share it), with no Serve proxy "
+                                          "hop (serve_app/front_door.py). None: only through Serve's proxy.")
+    http_host: str = Field("127.0.0.1", description="The address the Ingress's own HTTP server binds "
+                                                     "(with http_port); 0.0.0.0 in a pod.")
+    delta_channels: bool = Field(
+        True, description="Deltas come back from each replica over one socket per ingress event loop, one "
+                          "frame per engine step for all its streams (replicas/delta_channel.py); off: each "
+                          "delta is its own item on the request's Serve handle call.")
+    drain_timeout_s: float = Field(
+        30.0, gt=0, description="A leaving Ingress replica (rolling update, scale-in) stops accepting, then "
+                                "lets its requests in flight finish for at most this long.")
     max_queued_requests: int = Field(
         64, ge=1, description="Requests one ingress replica holds at once (waiting or streaming); "
                               "past it the ingress answers 429 with Retry-After.")

@@ -23,9 +23,11 @@ on another: a bf16 decode matmul 110 vs 51 us; one stream 14 vs 30 tok/s, bench/
 """
 
 import asyncio
+import collections
 import concurrent.futures
 import queue
 import threading
+import time
 from typing import AsyncIterator, Callable, TypeVar
 
 import torch
@@ -34,6 +36,8 @@ from replicas.engine.engine import Engine
 from replicas.messages import GenerateDelta, GenerateRequest, RequestError
 
 T = TypeVar("T")
+
+STEP_TIMES_KEPT = 8192  # (deltas, seconds) of the latest steps: the engine's own pace, for benchmarks
 
 
 class AsyncEngine:
@@ -51,6 +55,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.error: BaseException | None = None
+        self.step_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=STEP_TIMES_KEPT)
         self._stopped = False
         built = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(build_engine, num_threads, built),
@@ -140,7 +145,10 @@ class AsyncEngine:
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
-                self._deliver(self.engine.step())
+                start = time.perf_counter()
+                deltas = self.engine.step()
+                self.step_times.append((len(deltas), time.perf_counter() - start))
+                self._deliver(deltas)
                 for request_id, error in self.engine.take_failures():
                     self._deliver_failure(request_id, error)
         except BaseException as exc:  # a bug in a step: fail every open stream, report unhealthy
@@ -176,13 +184,22 @@ class AsyncEngine:
             done.set_exception(exc)
 
     def _deliver(self, deltas: list[GenerateDelta]) -> None:
+        """One callback per event loop for the whole step, so every stream of the step wakes in the same
+        loop iteration (a delta channel then sends them as one frame: replicas/delta_channel.py)."""
+        due: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateDelta]]] = {}
         for delta in deltas:
             held = self._held.pop(delta.request_id, [])
             held.append(delta)
+            entry = self._streams.get(delta.request_id)
+            if entry is None:  # a caller gone (aborted) keeps nothing here
+                continue
             if is_delivery_due(delta, len(deltas), self.stream_interval):
-                self._deliver_to(delta.request_id, GenerateDelta.merged(held))
-            elif delta.request_id in self._streams:  # a caller gone (aborted) keeps nothing here
+                loop, stream = entry
+                due.setdefault(loop, []).append((stream, GenerateDelta.merged(held)))
+            else:
                 self._held[delta.request_id] = held
+        for loop, puts in due.items():
+            loop.call_soon_threadsafe(put_all, puts)
 
     def _deliver_failure(self, request_id: str, error: BaseException) -> None:
         """A request that failed mid-generation: its held deltas, then the error, which ends its stream."""
@@ -196,6 +213,11 @@ class AsyncEngine:
         if entry is not None:
             loop, stream = entry
             loop.call_soon_threadsafe(stream.put_nowait, item)
+
+
+def put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for stream, item in puts:
+        stream.put_nowait(item)
 
 
 def engine_failed(error: BaseException | None) -> RequestError:
