@@ -5,7 +5,8 @@
 Prints one line per drill, `PASS <name>: ...` or `FAIL <name>: ...`, with its timings, and exits 1 if any
 failed. Each drill is bounded (DRILL_TIMEOUT_S); the whole run takes a few minutes on 2 cores.
 
-Ray drills share one app (the production builder, 2 ModelReplicas, tiny random-weight model unless
+Ray drills share one app (the production builder, 2 ModelReplicas, the fast path: the Ingress answers HTTP
+itself, as configs/local.yaml runs it; a tiny random-weight model unless
 --model default), each under `--clients` concurrent streaming chat clients; every request is a fresh
 conversation, so the ConversationRouter spreads them over both replicas. "In flight" = started before the
 fault and not ended by then; "new" = started after it. A request ends `ok` ([DONE] after a finish_reason),
@@ -153,20 +154,17 @@ def summary(outcomes: list[Outcome]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(kinds.items())) or "none"
 
 
-def app_args(model_dir: str, stream_interval: int = 4) -> dict:
+def app_args(model_dir: str, port: int, stream_interval: int = 4) -> dict:
+    """The fast path (the Ingress answers HTTP on `port` itself), as configs/local.yaml runs it."""
     return {"model": model_dir, "served_model_name": MODEL, "num_replicas": 2, "dtype": "float32",
-            "replica_num_cpus": 0, "engine": {"num_threads": 1, "stream_interval": stream_interval}}
+            "replica_num_cpus": 0, "engine": {"num_threads": 1, "stream_interval": stream_interval},
+            "ingress": {"http_port": port}}
 
 
 def build(args: dict):
-    import serve_app.app as app_module
+    from serve_app.app import build_app_with
 
-    real = app_module.ModelReplica
-    app_module.ModelReplica = faulty_replica_class(FAULT_MAX_TOKENS, ARM_AFTER_TOKENS)
-    try:
-        return app_module.build_app(args)
-    finally:
-        app_module.ModelReplica = real
+    return build_app_with(args, replica_class=faulty_replica_class(FAULT_MAX_TOKENS, ARM_AFTER_TOKENS))
 
 
 def live_replicas(deployment: str) -> set[str]:
@@ -272,7 +270,8 @@ async def drill_rolling_update(base_url: str, args, model_dir: str) -> tuple[boo
 
     async def drill(load: Load):
         t0 = time.monotonic()
-        await asyncio.to_thread(serve.run, build(app_args(model_dir, stream_interval=2)), name=APP,
+        port = int(base_url.rsplit(":", 1)[1])
+        await asyncio.to_thread(serve.run, build(app_args(model_dir, port, stream_interval=2)), name=APP,
                                 route_prefix="/")
         t1 = time.monotonic()
         await asyncio.sleep(3.0)
@@ -310,20 +309,17 @@ def fmt(seconds: float | None) -> str:
 # -- main ------------------------------------------------------------------------------------------------
 
 def start_app(args) -> tuple[str, str]:
-    import ray
-    from ray import serve
-
     from replicas.models.prepare import prepare_model
+    from serve_app.local_ray import start_local_app
     from tests.ray.conftest import free_port
     from tests.tiny_models import make_tiny_llama
 
     smollm2 = prepare_model("default", progress=False)
     model_dir = str(smollm2) if args.model == "default" else \
         str(make_tiny_llama(Path(tempfile.mkdtemp(prefix="drills-tiny-")), smollm2))
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build(app_args(model_dir)), name=APP, route_prefix="/")
+    start_local_app(app_args(model_dir, port), port, app_name=APP, builder=build, runtime_env=None,
+                    _node_ip_address="127.0.0.1")
     return f"http://127.0.0.1:{port}", model_dir
 
 

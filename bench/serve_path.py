@@ -1,18 +1,24 @@
 """What the Ray Serve path costs per streamed token, path by path, with no model in the way.
 
-    python bench/serve_path.py [--paths proxy,direct] [--streams 1,8,32] [--tokens 64] [--step-ms 8] [--reps 3]
+    python bench/serve_path.py [--paths proxy,direct,channel] [--streams 1,8,32] [--tokens 64] [--step-ms 8]
+                               [--reps 3] [--stream-interval 1] [--json PATH]
 
 The replica is the production ModelReplica whose engine is `StepEngine`: every `--step-ms` it gives each
 running request one token (a step that sleeps, so the path's own CPU is all there is to measure). The
-ingress is the production Ingress. Each path runs in a fresh local Ray instance (its Serve flags are read
-at process start), and for each, `--streams` concurrent streaming /v1/completions of `--tokens` tokens:
+ingress is the production Ingress. Each path runs in a fresh local Ray instance, and for each,
+`--streams` concurrent streaming /v1/completions of `--tokens` tokens (16-token id prompts):
 
-  proxy    Serve's HTTP proxy -> Ingress -> handle (Ray actor streams) -> replica (`ingress.http_port` unset)
-  direct   the Ingress answers HTTP itself (`ingress.http_port`, serve_app/front_door.py):
-           Ingress -> handle -> replica
+  proxy    Serve's HTTP proxy -> Ingress -> handle -> replica, every delta its own Ray stream item
+           (`ingress.http_port` unset, `ingress.delta_channels` off: the path before issue 23)
+  direct   the Ingress answers HTTP itself (`ingress.http_port`, serve_app/front_door.py); deltas still
+           one Ray stream item each (`delta_channels` off)
+  channel  the fast path, configs/local.yaml's default: direct, and deltas over the replica's delta
+           channel, one frame per engine step for every stream of the caller (replicas/delta_channel.py)
 
 Reported per path and stream count (medians over --reps):
+- each role's CPU with no request in flight (% of one core): what it takes from the engine anyway;
 - CPU ms per delivered token of each process (proxy, ingress, replica, the rest of Ray, the client);
+  at 1 stream these include each process's standing load over the run (the idle row), spread per token;
 - TTFT above one step (what the path adds to the first token);
 - the inter-chunk gap p50 / p99 of each stream, against the step period.
 The host's CPU flags are printed first.
@@ -25,7 +31,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 

@@ -46,7 +46,7 @@ class EngineConfig(BaseModel):
     pack_weights: bool = Field(True, description="CPU: reorder each linear weight once into oneDNN's layout "
                                                  "(float32 on any x86 host, bfloat16 where the ISA allows; same "
                                                  "results within rounding, 2-3x faster decode matmuls).")
-    stream_interval: int = Field(4, ge=1, le=64, description="While steps make at least this many tokens (as many "
+    stream_interval: int = Field(1, ge=1, le=64, description="While steps make at least this many tokens (as many "
                                  "streams decoding), each stream's tokens go out in deltas of this many (its first "
                                  "token at once); below it, token by token. 1: always token by token.")
     native_kernels: bool = Field(True, description="CPU: the native C++ ops (paged attention, int4 linears, "

@@ -36,11 +36,11 @@ MAX_UNSENT_BYTES = 64 * 1024 * 1024  # a caller that stops reading this far behi
 class Outbox:
     """One connected caller: the deltas of this loop iteration, flushed as one frame."""
 
-    def __init__(self, writer: asyncio.StreamWriter):
+    def __init__(self, writer: asyncio.StreamWriter, stats: dict[str, int]):
         self.writer = writer
+        self.stats = stats  # the DeltaChannels' counters
         self.pending: list[tuple[str, object]] = []
         self.is_closed = False
-        self.num_frames = 0
 
     def send(self, request_id: str, item) -> None:
         if self.is_closed:
@@ -55,7 +55,8 @@ class Outbox:
             return
         data = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
         self.writer.write(len(data).to_bytes(4, "little") + data)
-        self.num_frames += 1
+        self.stats["num_channel_frames"] += 1
+        self.stats["num_channel_items"] += len(items)
         if self.writer.transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
             logger.warning("delta channel: the caller stopped reading; closing it")
             self.close()
@@ -71,6 +72,7 @@ class DeltaChannels:
         self.host = host
         self.secret = secrets.token_hex(16)
         self.outboxes: dict[str, Outbox] = {}
+        self.stats = {"num_channel_frames": 0, "num_channel_items": 0, "num_channel_connections": 0}
         self._server: asyncio.AbstractServer | None = None
         self._port = 0
 
@@ -97,7 +99,8 @@ class DeltaChannels:
             old = self.outboxes.get(key)
             if old is not None:
                 old.close()
-            self.outboxes[key] = outbox = Outbox(writer)
+            self.outboxes[key] = outbox = Outbox(writer, self.stats)
+            self.stats["num_channel_connections"] += 1
             await reader.read()  # the caller sends nothing more: this returns when it goes away
         except (asyncio.TimeoutError, ValueError, KeyError, TypeError, ConnectionError) as exc:
             logger.warning("delta channel: refused a connection (%r)", exc)

@@ -145,7 +145,7 @@ class ModelReplica:
                 "num_vision_runs": engine.vision.num_runs if engine.vision else 0,
                 "num_retained_tokens_kept": engine.retention.store.num_tokens,
                 "num_pool_evictions": pool.num_evictions, **tier_stats(engine.host_tier),
-                **vars(engine.migration_stats), **self.migrator.stats,
+                **vars(engine.migration_stats), **self.migrator.stats, **self.channels.stats,
                 "num_resident_bytes": psutil.Process().memory_info().rss}
 
     def recent_steps(self) -> list[tuple[int, float]]:

@@ -18,7 +18,8 @@ def start_local_app(args: dict, port: int, *, proxy_port: int | None = None, app
 
     from serve_app.app import build_app
 
-    ray_init.setdefault("runtime_env", {"env_vars": {"PYTHONPATH": ROOT}})
+    if "runtime_env" not in ray_init:
+        ray_init["runtime_env"] = {"env_vars": {"PYTHONPATH": ROOT}}
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **ray_init)
     if proxy_port is None:
         serve.start(proxy_location="Disabled")

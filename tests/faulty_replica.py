@@ -8,9 +8,9 @@ def faulty_replica_class(fault_max_tokens: int, arm_after_tokens: int):
     from replicas.deployment import ModelReplica
 
     class FaultyReplica(ModelReplica):
-        async def generate(self, request):
+        async def _deltas(self, request):  # a request's deltas, whichever way they travel back
             armed = request.sampling.max_tokens != fault_max_tokens
-            async for delta in super().generate(request):
+            async for delta in super()._deltas(request):
                 yield delta
                 # Some deltas in first: its caller has seen which replica it broke (Serve may hold back a
                 # first delta that an error follows at once).

@@ -22,23 +22,25 @@ def metrics_url(serve_app) -> str:
     return f"http://127.0.0.1:{METRICS_PORT}/metrics"
 
 
+PROXY_PORT = free_port()  # Serve's HTTP proxy: the old path, and the other apps' route prefixes
+
+
 @pytest.fixture(scope="session")
 def serve_app(tiny_llama_dir):
-    import ray
-    from ray import serve
+    """The session app's fast path: its Ingress answers HTTP itself (configs/local.yaml's default)."""
+    from serve_app.local_ray import start_local_app, stop_local_app
 
-    from serve_app.app import build_app
+    args = {"model": str(tiny_llama_dir), "served_model_name": MODEL, "num_replicas": 2, "dtype": "float32",
+            "replica_num_cpus": 0, "engine": {"num_threads": 1}}
+    yield start_local_app(args, free_port(), proxy_port=PROXY_PORT, app_name=APP, runtime_env=None,
+                          _node_ip_address="127.0.0.1", _metrics_export_port=METRICS_PORT)
+    stop_local_app()
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             _metrics_export_port=METRICS_PORT)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app({"model": str(tiny_llama_dir), "served_model_name": MODEL, "num_replicas": 2,
-                     "dtype": "float32", "replica_num_cpus": 0, "engine": {"num_threads": 1}})
-    serve.run(app, name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+
+@pytest.fixture(scope="session")
+def proxy_url(serve_app) -> str:
+    """Serve's proxy: the session app at /, other apps at /<name>."""
+    return f"http://127.0.0.1:{PROXY_PORT}"
 
 
 @pytest.fixture(scope="session")
@@ -79,3 +81,16 @@ def wait_until_routed_to_each(base_url: str, replica_ids: list[str], timeout_s: 
             served.add(reply.headers.get(REPLICA_HEADER))
         time.sleep(0.2)
     assert served == set(replica_ids), f"after {timeout_s} s the ingress routes only to {served}"
+
+
+def stats_of_each(ids, app: str = APP) -> dict[str, dict]:
+    """replica id -> its engine_stats, for each of `ids` (ModelReplicas of `app`)."""
+    from ray import serve
+
+    handle, stats = serve.get_deployment_handle("ModelReplica", app_name=app), {}
+    for _ in range(100):  # keyless calls go to the least loaded replica: ask until each answered
+        one = handle.engine_stats.remote().result()
+        stats[one["replica_id"]] = one
+        if set(stats) >= set(ids):
+            return stats
+    raise AssertionError(f"replicas {set(ids) - set(stats)} never answered")

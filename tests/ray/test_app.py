@@ -6,7 +6,7 @@ import pytest
 
 from cache_router.hashing import rendezvous_owner, route_key
 from serve_app.routes import REPLICA_HEADER
-from tests.ray.conftest import MODEL
+from tests.ray.conftest import MODEL, stats_of_each
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 
@@ -83,6 +83,47 @@ def test_n_fans_out_through_the_conversation_router(serve_app, replica_ids):
         for ch in chunk.choices:
             texts[ch.index] += ch.delta.content or ""
     assert set(texts.values()) == {one.choices[0].message.content}
+
+
+def replica_counters(replica_ids: list[str], *names: str) -> dict[str, int]:
+    stats = stats_of_each(replica_ids).values()
+    return {name: sum(one[name] for one in stats) for name in names}
+
+
+def test_streams_come_back_over_the_delta_channel_a_frame_per_step(serve_app, replica_ids):
+    """8 streams of one conversation prefix, on one replica, come back over the fast path's delta channel:
+    their deltas share frames (one per engine step), instead of one Ray stream item per delta each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = ("num_channel_frames", "num_channel_items")
+    before = replica_counters(replica_ids, *names)
+    c = client(serve_app)
+    messages = [SYSTEM, {"role": "user", "content": "channel check: count to fifty"}]
+    c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)  # the channel opens
+
+    def stream(_):
+        chunks = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(stream, range(8)))
+    assert len(set(texts)) == 1 and texts[0]
+    after = replica_counters(replica_ids, *names)
+    frames, items = (after[n] - before[n] for n in names)
+    assert items >= 8 * 2, (frames, items)  # every stream's deltas came over the channel (40 tokens each)
+    assert frames * 2 <= items, (frames, items)  # coalesced: most frames carried several streams
+
+
+def test_the_proxy_path_still_serves_the_same_app(serve_app, proxy_url):
+    """Serve's proxy (the old path) reaches the same Ingress: the same greedy reply, streamed and not."""
+    messages = [{"role": "user", "content": "proxy check: what is 2 + 2?"}]
+    fast = client(serve_app).chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    old = client(proxy_url)
+    plain = old.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    streamed = old.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True)
+    text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
+    assert plain.choices[0].message.content == text == fast.choices[0].message.content
 
 
 def test_bad_request_is_a_400_through_serve(serve_app):

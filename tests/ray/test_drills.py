@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.faulty_replica import faulty_replica_class
-from tests.ray.conftest import MODEL
+from tests.ray.conftest import MODEL, free_port
 
 FAULTY = "faulty"
 FAULT_MAX_TOKENS = 777
@@ -23,23 +23,19 @@ REPLACE_WITHIN_S = 60
 
 
 @pytest.fixture(scope="module")
-def faulty_app(serve_app, tiny_llama_dir, monkeypatch_module):
+def faulty_app(serve_app, tiny_llama_dir):
     from ray import serve
 
-    import serve_app.app as app_module
+    from serve_app.app import build_app_with
 
-    monkeypatch_module.setattr(app_module, "ModelReplica", faulty_replica_class(FAULT_MAX_TOKENS, ARM_AFTER_TOKENS))
-    app = app_module.build_app({"model": str(tiny_llama_dir), "served_model_name": MODEL, "num_replicas": 1,
-                                "dtype": "float32", "replica_num_cpus": 0, "engine": {"num_threads": 1}})
+    port = free_port()  # the fast path: its Ingress answers HTTP itself
+    app = build_app_with({"model": str(tiny_llama_dir), "served_model_name": MODEL, "num_replicas": 1,
+                          "dtype": "float32", "replica_num_cpus": 0, "engine": {"num_threads": 1},
+                          "ingress": {"http_port": port}},
+                         replica_class=faulty_replica_class(FAULT_MAX_TOKENS, ARM_AFTER_TOKENS))
     serve.run(app, name=FAULTY, route_prefix=f"/{FAULTY}")
-    yield f"{serve_app}/{FAULTY}"
+    yield f"http://127.0.0.1:{port}"
     serve.delete(FAULTY)
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
 
 
 def replica_ids() -> set[str]:

@@ -16,17 +16,18 @@ import time
 import httpx
 import pytest
 
-from tests.ray.conftest import MODEL, wait_until_routed_to_each
+from tests.ray.conftest import MODEL, free_port, stats_of_each, wait_until_routed_to_each
 
 APP = "migrate"
 BLOCK = 16
 NUM_CONVERSATIONS = 8
+PORT = free_port()
 
 
 def app_config(model_dir, deployments: list[dict] | None = None) -> dict:
     return {"name": APP, "route_prefix": f"/{APP}", "import_path": "serve_app.app:build_app",
             "args": {"model": str(model_dir), "served_model_name": MODEL, "num_replicas": 3, "dtype": "float32",
-                     "replica_num_cpus": 0, "engine": {"num_threads": 1}},
+                     "replica_num_cpus": 0, "engine": {"num_threads": 1}, "ingress": {"http_port": PORT}},
             "deployments": deployments or []}
 
 
@@ -105,15 +106,7 @@ def new_tokens(conversation: dict) -> int:
 
 
 def replica_stats(ids: set[str]) -> dict[str, dict]:
-    from ray import serve
-
-    handle, stats = serve.get_deployment_handle("ModelReplica", app_name=APP), {}
-    for _ in range(100):  # keyless calls go to the least loaded replica: ask until each answered
-        one = handle.engine_stats.remote().result()
-        stats[one["replica_id"]] = one
-        if set(stats) >= ids:
-            return stats
-    raise AssertionError(f"replicas {ids - set(stats)} never answered")
+    return stats_of_each(ids, APP)
 
 
 def cold_completion(model_dir, prompt: list[int]) -> list[int]:
@@ -132,7 +125,7 @@ def conversations_on_three(serve_app):
     def start(model_dir) -> tuple[str, list[dict], set[str]]:
         deploy(app_config(model_dir))
         ids = wait_for(3)
-        base = f"{serve_app}/{APP}"
+        base = f"http://127.0.0.1:{PORT}"  # the fast path: its Ingress answers HTTP itself
         wait_until_routed_to_each(base, sorted(ids))
         conversations = [{"messages": [{"role": "user", "content": text}], "turns": []}
                          for text in spread_over(sorted(ids))]

@@ -97,8 +97,8 @@ def test_a_replica_that_cannot_start_is_deploy_failed_with_its_error(broken_app)
     assert seconds < 60
 
 
-def test_health_is_503_when_no_replica_can_serve(serve_app, broken_app):
-    url = f"{serve_app}/{BROKEN}/health"
+def test_health_is_503_when_no_replica_can_serve(serve_app, proxy_url, broken_app):
+    url = f"{proxy_url}/{BROKEN}/health"
     failed = "no model replica can serve: the model deployment failed to start; `serve status` shows why"
     deadline = time.monotonic() + 10
     while True:
@@ -115,11 +115,11 @@ def test_health_is_503_when_no_replica_can_serve(serve_app, broken_app):
     assert httpx.get(f"{serve_app}/health", timeout=30).status_code == 200  # the healthy app beside it
 
 
-def test_a_request_to_the_failed_deployment_gets_a_503_in_openai_shape(serve_app, broken_app):
+def test_a_request_to_the_failed_deployment_gets_a_503_in_openai_shape(proxy_url, broken_app):
     """Once the ingress knows the deployment failed; a bounded wait (at most ingress.health_timeout_s for its
     context-length sync) before it knows."""
     body = {"model": BROKEN, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
-    reply = httpx.post(f"{serve_app}/{BROKEN}/v1/chat/completions", json=body, timeout=30)
+    reply = httpx.post(f"{proxy_url}/{BROKEN}/v1/chat/completions", json=body, timeout=30)
     assert reply.status_code == 503, reply.text
     assert reply.headers.get("content-type", "").startswith("application/json"), (reply.headers, reply.text)
     error = reply.json()["error"]
