@@ -6,6 +6,9 @@ PIP := $(VENV)/bin/pip
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export HF_HUB_OFFLINE ?= 1
+# Ray starts its workers at nice 15; the replicas reset themselves to 0 where they may (replicas/priority.py),
+# and this makes it so for a non-root user too.
+export RAY_worker_niceness ?= 0
 
 .PHONY: install install-test model serve test test-avx2 bench clean
 

@@ -145,23 +145,19 @@ async def sampler(handle, num_replicas: int, deadline: float, samples: list, t0:
 
 
 def start_app(args):
-    import ray
     from ray import serve
 
     from replicas.models.prepare import prepare_model
-    from serve_app.app import build_app
+    from serve_app.local_ray import start_local_app
 
     model_dir = str(prepare_model("default", progress=False))
-    ray.init(num_cpus=max(2, args.replicas), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     # Queues deep enough for every client's n choices (64 x up to 4 over 2 replicas of 16 running each):
-    # past them Serve answers 503 (backpressure, counted apart).
+    # past them Serve answers 503 (backpressure, counted apart). The fast path: the Ingress answers HTTP.
     spec = {"model": model_dir, "served_model_name": "soak", "num_replicas": args.replicas, "replica_num_cpus": 1,
             "replica_max_queued_requests": args.clients * 4 // args.replicas,
             "engine": {"num_threads": 1, "kv_cache_bytes": args.kv_mib << 20,
                        "max_retained_tokens": args.retained_tokens, "max_num_seqs": 16}}
-    serve.run(build_app(spec), name="tether", route_prefix="/")
+    start_local_app(spec, args.port, num_cpus=max(2, args.replicas))
     return serve.get_deployment_handle("ModelReplica", app_name="tether")
 
 

@@ -111,19 +111,13 @@ async def running_p99(client, model: str, tokens: int, late: str | None, slow_sc
 
 
 def start_app(args) -> tuple[str, str]:
-    import ray
-    from ray import serve
-
     from replicas.models.prepare import prepare_model
-    from serve_app.app import build_app
+    from serve_app.local_ray import start_local_app
 
     model_dir = str(prepare_model(args.model, progress=False))
-    ray.init(num_cpus=max(2, args.threads), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     spec = {"model": model_dir, "served_model_name": "bench", "num_replicas": 1, "dtype": args.dtype,
             "replica_num_cpus": args.threads, "engine": {"num_threads": args.threads}}
-    serve.run(build_app(spec), name="tether", route_prefix="/")
+    start_local_app(spec, args.port, num_cpus=max(2, args.threads))  # the fast path: the Ingress answers HTTP
     return "bench", model_dir
 
 

@@ -35,6 +35,8 @@ from serve_app.routes import OpenAIServer, make_api
 
 logger = logging.getLogger("ray.serve")
 
+STATUS_TIMEOUT_S = 5.0  # a leaving Ingress asking the controller whether its app is being deleted
+
 
 @serve.ingress()
 class Ingress:
@@ -57,17 +59,35 @@ class Ingress:
         if self.front_door is not None and not self.front_door.is_alive:
             raise RuntimeError("the Ingress's HTTP server stopped")
 
-    def __del__(self):
-        """Serve awaits what this returns when it removes the replica: the front door drains first."""
-        front_door = getattr(self, "front_door", None)
-        if front_door is None:
-            return None
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            front_door.close()
-            return None
-        return asyncio.to_thread(front_door.close)
+    async def __del__(self):
+        """Serve's ingress wrapper awaits this when it removes the replica (an async __del__: a coroutine a
+        sync one returned would be dropped there): the front door drains, after a successor listens on its
+        port while the app stays deployed (a rolling update)."""
+        if getattr(self, "front_door", None) is None:
+            return
+        stays = await app_stays_deployed()
+        logger.info("Ingress leaving: %s", "waiting for a successor on the port" if stays else "closing")
+        await asyncio.to_thread(self.front_door.close, stays)
+
+
+async def app_stays_deployed() -> bool:
+    """Whether this replica's application is still deployed (not being deleted): its Ingress is then
+    being replaced or scaled in, and clients need another listener before this one closes. A controller
+    too busy to answer (a roll on a loaded host) counts as deployed: waiting costs at most the drain."""
+    from ray.serve._private.api import _get_global_client  # PRIVATE (Ray 2.60): the controller's client
+    from ray.serve.schema import ApplicationStatus
+
+    try:
+        app = serve.get_replica_context().app_name
+    except Exception:  # outside Serve: nobody to wait for
+        return False
+    try:
+        overview = await asyncio.wait_for(asyncio.to_thread(lambda: _get_global_client().get_serve_status(app)),
+                                          STATUS_TIMEOUT_S)
+    except Exception as exc:
+        logger.info("Ingress leaving: no app status (%r); waiting for a successor", exc)
+        return True
+    return overview.app_status.status not in (ApplicationStatus.DELETING, ApplicationStatus.NOT_STARTED)
 
 
 def build_app(args: dict) -> serve.Application:

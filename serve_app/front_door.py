@@ -7,8 +7,10 @@ Ingress replica serves the same FastAPI app itself, with uvicorn on a thread of 
 
 - the socket is bound with SO_REUSEPORT, so several Ingress replicas on one node, and the old and new
   replica of a rolling update, share the port and the kernel spreads connections over them;
-- leaving (`close`): the listener closes first (new connections go to the other replicas), then the
-  requests in flight finish, for at most `drain_timeout_s`;
+- leaving (`close`): while its app is still deployed, it keeps accepting until another listener holds
+  the port (a rolling update's successor, which Serve starts as this one stops; nothing queues
+  connections for it as Serve's proxy did), then the listener closes and the requests in flight
+  finish, for at most `drain_timeout_s` in all;
 - everything behind the FastAPI app (validation, rendering, the router, fan-out, limits, metrics) is the
   same code as through the proxy: only the hop is gone.
 
@@ -57,7 +59,27 @@ class FrontDoor:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def close(self) -> None:
-        """Stops accepting, lets the requests in flight finish (at most drain_timeout_s), then returns."""
+    def close(self, wait_for_successor: bool = False) -> None:
+        """Stops accepting (once another listener holds the port, if `wait_for_successor`), lets the
+        requests in flight finish, then returns; at most drain_timeout_s in all."""
+        deadline = time.monotonic() + self.drain_timeout_s
+        while wait_for_successor and num_listeners(self.port) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
         self._server.should_exit = True
-        self._thread.join(timeout=self.drain_timeout_s + 5)
+        self._thread.join(timeout=max(1.0, deadline - time.monotonic()) + 5)
+
+
+def num_listeners(port: int) -> int:
+    """Sockets listening on `port` on this host (each SO_REUSEPORT socket is one), from /proc/net/tcp{,6}."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                        count += 1
+        except OSError:
+            continue
+    return count
