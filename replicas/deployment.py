@@ -97,6 +97,8 @@ class ModelReplica:
             yield ChannelTicket(self.replica_id)
             try:
                 async for delta in self._deltas(request):
+                    if route.is_closed:  # the caller went away: stop (closing the stream aborts the request)
+                        break
                     route.send(request.request_id, delta)
             except RequestError as exc:
                 route.send(request.request_id, exc)

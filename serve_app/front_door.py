@@ -15,6 +15,7 @@ Ingress replica serves the same FastAPI app itself, with uvicorn on a thread of 
   same code as through the proxy: only the hop is gone.
 
 Serve's own proxy may still run on another port (`http_options.port`): the old path, for comparison.
+LocalServer (serve_app/local_server.py, no Ray) serves its app through a FrontDoor too.
 """
 
 import logging
@@ -53,7 +54,7 @@ class FrontDoor:
             if time.monotonic() > deadline or not self._thread.is_alive():
                 raise RuntimeError(f"the ingress's HTTP server did not start on {host}:{port}")
             time.sleep(0.01)
-        logger.info("Ingress: serving HTTP on %s:%d (no proxy hop)", host, port)
+        logger.info("serving HTTP on %s:%d (no proxy hop)", host, port)
 
     @property
     def is_alive(self) -> bool:

@@ -2,14 +2,11 @@
 uvicorn on a thread. For tests, benchmarks and quick local runs; `serve run` is the deployment path."""
 
 import socket
-import threading
-import time
-
-import uvicorn
 
 from replicas.deployment import ModelReplica
 from serve_app.backend import LocalBackend
 from serve_app.config import AppConfig
+from serve_app.front_door import FrontDoor
 from serve_app.routes import OpenAIServer, make_api
 
 
@@ -27,18 +24,9 @@ class LocalServer:
         self.server = OpenAIServer.from_config(config, LocalBackend(self.replica))
         self.port = port or free_port(host)
         self.base_url = f"http://{host}:{self.port}"
-        self._uvicorn = uvicorn.Server(uvicorn.Config(make_api(self.server), host=host, port=self.port,
-                                                      log_level="warning"))
-        self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
-        self._thread.start()
-        deadline = time.time() + 30
-        while not self._uvicorn.started:
-            if time.time() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"uvicorn did not start on {self.base_url}")
-            time.sleep(0.05)
+        self._front_door = FrontDoor(make_api(self.server), host, self.port, drain_timeout_s=5.0)
 
     def stop(self) -> None:
-        self._uvicorn.should_exit = True
-        self._thread.join(timeout=10)
+        self._front_door.close()
         if self.owns_replica:
             self.replica.engine.shutdown()
