@@ -101,7 +101,8 @@ class DeltaChannels:
                 old.close()
             self.outboxes[key] = outbox = Outbox(writer, self.stats)
             self.stats["num_channel_connections"] += 1
-            await reader.read()  # the caller sends nothing more: this returns when it goes away
+            while await reader.read(4096):  # the caller sends nothing more (discarded): EOF when it goes away
+                pass
         except (asyncio.TimeoutError, ValueError, KeyError, TypeError, ConnectionError) as exc:
             logger.warning("delta channel: refused a connection (%r)", exc)
         finally:
