@@ -236,13 +236,14 @@ def measure(base_url: str, num_streams: int, tokens: int, reps: int) -> dict:
             "ttft_ms": med("ttft_ms"), "gap_p50_ms": med("gap_p50_ms"), "gap_p99_ms": med("gap_p99_ms")}
 
 
-def cpu_flags() -> str:
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    wanted = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
+def host_line() -> str:
+    """The CPU's model and the flags that pick Tether's paths (replicas/cpu_isa.py reads them)."""
+    from replicas.cpu_isa import cpu_flags
+
     model = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True,
                            text=True).stdout.strip()
-    return f"{model}, {os.cpu_count()} cores: {' '.join(sorted(wanted))}"
+    wanted = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    return f"{model}, {os.cpu_count()} cores: {' '.join(wanted)}"
 
 
 def main() -> None:
@@ -258,7 +259,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    print(cpu_flags())
+    print(host_line())
     results = {}
     for path in args.paths.split(","):
         base_url = serve_path(path, args.step_ms / 1e3, args.port, args.stream_interval)
