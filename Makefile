@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export HF_HUB_OFFLINE ?= 1
-# Ray starts its workers at nice 15; the replicas reset themselves to 0 where they may (replicas/priority.py),
+# Ray starts its workers at nice 15; the replicas reset themselves to 0 where they may (core/priority.py),
 # and this makes it so for a non-root user too.
 export RAY_worker_niceness ?= 0
 
@@ -26,7 +26,7 @@ install-test: install
 	$(PIP) install --quiet -e '.[test]'
 
 model: install
-	$(PY) -m replicas.models.prepare default
+	$(PY) -m model_files.prepare default
 
 serve: model
 	$(VENV)/bin/serve run configs/local.yaml

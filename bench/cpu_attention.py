@@ -18,11 +18,11 @@ import torch
 
 from replicas.cpu_isa import cpu_isa
 from replicas.engine.model_runner import ModelRunner
-from replicas.engine.request import Request
+from replicas.request.request import Request
 from replicas.engine.scheduler import ScheduledRequest
 from replicas.kernels.paged_attention.cpu_native import cpu_paged_attention, native_ops
 from replicas.kernels.paged_attention.naive import naive_paged_attention
-from replicas.messages import SamplingParams
+from core.messages import SamplingParams
 
 H, HKV, D, BLOCK = 9, 3, 64, 16
 # name -> steps, each a list of (keys cached before the step, new tokens) per sequence

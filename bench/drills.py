@@ -27,7 +27,7 @@ fault and not ended by then; "new" = started after it. A request ends `ok` ([DON
 Preparation drills (no Ray; bench/prepare_drills.py):
   cache-unwritable  prepare into a read-only tmpfs, and into a full one (1 MB). Pass: exit 2 and one line
                     "error: cannot write the model cache <dir>: <why> ..." each; nothing left but the lock.
-  prepare-killed    SIGKILL of `python -m replicas.models.prepare default` once its temporary directory
+  prepare-killed    SIGKILL of `python -m model_files.prepare default` once its temporary directory
                     has the weights file. Pass: no model directory appears; the next run completes it (marker
                     present, the checkpoint loads).
 Mounting tmpfs needs root (a CI container); elsewhere cache-unwritable reports SKIP.
@@ -48,7 +48,7 @@ import httpx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.prepare_drills import drill_cache_unwritable, drill_prepare_killed  # noqa: E402
-from tests.faulty_replica import faulty_replica_class  # noqa: E402
+from testing.faulty_replica import faulty_replica_class  # noqa: E402
 
 APP = "drills"
 MODEL = "tiny"
@@ -309,10 +309,10 @@ def fmt(seconds: float | None) -> str:
 # -- main ------------------------------------------------------------------------------------------------
 
 def start_app(args) -> tuple[str, str]:
-    from replicas.models.prepare import prepare_model
+    from model_files.prepare import prepare_model
     from serve_app.local_ray import start_local_app
-    from tests.ray.conftest import free_port
-    from tests.tiny_models import make_tiny_llama
+    from serve_app.local_server import free_port
+    from testing.tiny_models import make_tiny_llama
 
     smollm2 = prepare_model("default", progress=False)
     model_dir = str(smollm2) if args.model == "default" else \

@@ -20,10 +20,10 @@ import torch
 
 import replicas.kernels.cpu_linear.int4 as int4
 import replicas.kernels.paged_attention.naive as paged_naive
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.engine.engine import Engine
-from replicas.messages import GenerateRequest, SamplingParams
-from replicas.models.prepare import prepare_model
+from core.messages import GenerateRequest, SamplingParams
+from model_files.prepare import prepare_model
 
 PROMPT = "Tell me a long story about a lighthouse keeper and a storm."
 KNOBS = {"int4": (int4, "INT4_MAX_ROWS", [0, 2, 8]), "tile": (paged_naive, "PREFILL_TILE", [10 ** 9, 64, 128])}

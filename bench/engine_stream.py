@@ -21,10 +21,10 @@ from pathlib import Path
 def start_engine(threads: int):
     import torch
 
-    from replicas.config import EngineConfig
+    from core.engine_config import EngineConfig
     from replicas.engine.async_engine import AsyncEngine
     from replicas.engine.engine import Engine
-    from replicas.models.prepare import prepare_model
+    from model_files.prepare import prepare_model
 
     config = EngineConfig(model=str(prepare_model("default", progress=False)))
     if "build_engine" in inspect.signature(AsyncEngine.__init__).parameters:
@@ -34,7 +34,7 @@ def start_engine(threads: int):
 
 
 async def stream(engine, prompt: list[int], tokens: int) -> list[float]:
-    from replicas.messages import GenerateRequest, SamplingParams
+    from core.messages import GenerateRequest, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     stamps = []

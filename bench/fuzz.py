@@ -65,11 +65,11 @@ def before_call(context, case, kwargs):
 
 
 def start_server():
-    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests.tiny_models
-    from replicas.models.prepare import prepare_model
-    from serve_app.config import AppConfig
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # testing.tiny_models
+    from model_files.prepare import prepare_model
+    from core.app_config import AppConfig
     from serve_app.local_server import LocalServer
-    from tests.tiny_models import make_tiny_llama
+    from testing.tiny_models import make_tiny_llama
 
     model_dir = make_tiny_llama(Path(tempfile.gettempdir()) / "tether-fuzz-tiny", prepare_model("default",
                                                                                                progress=False))

@@ -177,10 +177,10 @@ PROMPT_LEN, DECODE_STEPS = 128, 10
 
 
 def make_checkpoint(family: str, overrides: dict, out_dir: Path, tokenizer_dir: Path) -> Path:
-    """The tests' random-weight checkpoint writers (tests/tiny_models.py, tests/tiny_hybrid.py) at other sizes."""
+    """The tests' random-weight checkpoint writers (testing/tiny_models.py, testing/tiny_hybrid.py) at other sizes."""
     sys.path.insert(0, str(ROOT))
-    from tests.tiny_hybrid import make_tiny_qwen3_5
-    from tests.tiny_models import make_tiny_llama
+    from testing.tiny_hybrid import make_tiny_qwen3_5
+    from testing.tiny_models import make_tiny_llama
 
     make = make_tiny_qwen3_5 if family == "qwen3_5" else make_tiny_llama
     return make(out_dir, tokenizer_dir, **overrides)
@@ -189,10 +189,10 @@ def make_checkpoint(family: str, overrides: dict, out_dir: Path, tokenizer_dir: 
 def engine_timings(device: str, dtype: str = "bfloat16") -> list[tuple[str, int, float, float]]:
     """(model, batch, ms per decode step, weight GB/s) for each ENGINE_MODELS entry and ENGINE_BATCHES size:
     the wall time of Engine.step() over DECODE_STEPS decode steps, prompts already prefilled."""
-    from replicas.config import EngineConfig
+    from core.engine_config import EngineConfig
     from replicas.engine.engine import Engine
-    from replicas.messages import GenerateRequest, SamplingParams
-    from replicas.models.prepare import prepare_model
+    from core.messages import GenerateRequest, SamplingParams
+    from model_files.prepare import prepare_model
 
     tokenizer_dir = prepare_model("default", progress=False)
     rows = []

@@ -42,7 +42,7 @@ class Timed:
 
 
 def run(engine, num_grammar_rows: int, args) -> tuple[float, float, float]:
-    from replicas.messages import GenerateRequest, SamplingParams, StructuredSpec
+    from core.messages import GenerateRequest, SamplingParams, StructuredSpec
     from replicas.sampling import grammar
 
     tok = engine.tokenizer
@@ -81,9 +81,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from replicas.config import EngineConfig
+    from core.engine_config import EngineConfig
     from replicas.engine.engine import Engine
-    from replicas.models.prepare import prepare_model
+    from model_files.prepare import prepare_model
 
     engine = Engine(EngineConfig(model=str(prepare_model("default", progress=False)), max_num_seqs=args.rows))
     print(f"SmolLM2, {engine.dtype}, {args.rows} rows, {args.threads} threads; ms per decode step")

@@ -15,7 +15,7 @@ import time
 
 from ray import serve
 
-from replicas.messages import GenerateRequest, ImageInput, SamplingParams
+from core.messages import GenerateRequest, ImageInput, SamplingParams
 
 SIZES = {"none": 0, "100 KB": 100_000, "1 MB": 1_000_000, "8 MB": 8_000_000}
 

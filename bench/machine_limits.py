@@ -18,13 +18,13 @@ import time
 
 import torch
 
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.cpu_isa import cpu_flags, cpu_isa
 from replicas.engine.engine import Engine
 from replicas.kernels.cpu_linear import PackedLinear
 from replicas.kernels.cpu_linear.int4 import Int4Linear
-from replicas.messages import GenerateRequest, SamplingParams
-from replicas.models.prepare import prepare_model
+from core.messages import GenerateRequest, SamplingParams
+from model_files.prepare import prepare_model
 
 
 def timed(fn, reps: int) -> float:

@@ -35,7 +35,7 @@ def start_ray() -> str:
     import ray
     from ray import serve
 
-    from tests.ray.conftest import free_port
+    from serve_app.local_server import free_port
 
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     port = free_port()
@@ -141,13 +141,13 @@ def tiny_model() -> str:
     import tempfile
     from pathlib import Path
 
-    from tests.tiny_models import make_tiny_llama
+    from testing.tiny_models import make_tiny_llama
 
     return str(make_tiny_llama(Path(tempfile.mkdtemp(prefix="tiny-migration-")), prepared_default()))
 
 
 def prepared_default():
-    from replicas.models.prepare import prepare_model
+    from model_files.prepare import prepare_model
 
     return prepare_model("default", progress=False)
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from bench.throughput import QUESTIONS, chat_ids, run_tether
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.cpu_isa import cpu_flags, cpu_isa
 from replicas.engine.engine import Engine
-from replicas.models.prepare import prepare_model
+from model_files.prepare import prepare_model
 
 
 def build(kind: str, out: Path, tokenizer_dir: Path, args) -> Path:

@@ -18,7 +18,7 @@ import time
 
 import openai
 
-from serve_app.config import AppConfig
+from core.app_config import AppConfig
 from serve_app.local_server import LocalServer
 
 HYBRID_MODES = {
@@ -128,12 +128,13 @@ def random_hybrid(tokenizer_model: str) -> str:
     import sys
     from pathlib import Path
 
-    from replicas.models.prepare import default_cache_dir, prepare_model
+    from core.env import cache_dir
+    from model_files.prepare import prepare_model
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.tiny_hybrid import make_tiny_qwen3_5
+    from testing.tiny_hybrid import make_tiny_qwen3_5
 
-    out = default_cache_dir() / "models" / "random-qwen3_5-text-576"
+    out = cache_dir() / "models" / "random-qwen3_5-text-576"
     return str(make_tiny_qwen3_5(out, prepare_model(tokenizer_model, progress=False), **HYBRID_CONFIG))
 
 
@@ -142,17 +143,18 @@ def random_vision_hybrid(tokenizer_model: str) -> str:
     import sys
     from pathlib import Path
 
-    from replicas.models.prepare import default_cache_dir, prepare_model
+    from core.env import cache_dir
+    from model_files.prepare import prepare_model
 
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root))
-    from tests.tiny_vision import make_tiny_qwen3_5_vl
+    from testing.tiny_vision import make_tiny_qwen3_5_vl
 
     text = {**HYBRID_CONFIG, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                  "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
                                                  "mrope_interleaved": True}}
     template = (root / "tests" / "data" / "chat_templates" / "qwen3_5.jinja").read_text()
-    out = default_cache_dir() / "models" / "random-qwen3_5-vl-576"
+    out = cache_dir() / "models" / "random-qwen3_5-vl-576"
     return str(make_tiny_qwen3_5_vl(out, prepare_model(tokenizer_model, progress=False), text_overrides=text,
                                     chat_template=template))
 

@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.cpu_isa import cpu_isa
 from replicas.engine.engine import Engine
-from replicas.messages import GenerateRequest, SamplingParams
-from replicas.models.prepare import prepare_model
+from core.messages import GenerateRequest, SamplingParams
+from model_files.prepare import prepare_model
 
 
 def run(engine: Engine, prompts: list[list[int]], tokens: int) -> float:

@@ -10,7 +10,7 @@ import openai
 
 from bench.multiturn import TOPICS, user_turn
 from bench.throughput import QUESTIONS
-from replicas.models.prepare import prepare_model
+from model_files.prepare import prepare_model
 
 DECODE_TOKENS = 128
 STREAMS = 8

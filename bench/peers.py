@@ -74,8 +74,8 @@ from bench.peer_process import (PEER_MODEL_NAME, Running, default_gguf, ensure_i
                                 serve_subprocess)
 from bench.peer_workloads import (DECODE_TOKENS, LONG_PROMPT_TOKENS, SHORT_PROMPT_TOKENS, STREAMS,  # noqa: E402
                                   TURNS, WORKLOADS, Workbench, long_prompt_builder)
-from replicas.models.prepare import prepare_model  # noqa: E402
-from serve_app.config import AppConfig  # noqa: E402
+from model_files.prepare import prepare_model  # noqa: E402
+from core.app_config import AppConfig  # noqa: E402
 from serve_app.local_server import LocalServer, free_port  # noqa: E402
 
 THREADS = 2

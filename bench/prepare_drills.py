@@ -3,7 +3,7 @@
   cache-unwritable  prepare into a read-only tmpfs, and into a full one (1 MB). Pass: exit 2 and one line
                     "error: cannot write the model cache <dir>: <why> ..." each; nothing left but the lock.
                     Mounting tmpfs needs root (a CI container); elsewhere it reports SKIP (None).
-  prepare-killed    SIGKILL of `python -m replicas.models.prepare default` once its temporary directory
+  prepare-killed    SIGKILL of `python -m model_files.prepare default` once its temporary directory
                     has the weights file. Pass: no model directory appears; the next run completes it (marker
                     present, the checkpoint loads).
 Each returns (passed, or None for skipped; one line saying what happened).
@@ -27,7 +27,7 @@ def mount_tmpfs(where: Path, options: str) -> bool:
 
 
 def prepare_cli(cache_dir: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "replicas.models.prepare", "default", "--cache-dir",
+    return subprocess.Popen([sys.executable, "-m", "model_files.prepare", "default", "--cache-dir",
                              str(cache_dir), "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -56,8 +56,8 @@ def drill_cache_unwritable() -> tuple[bool | None, str]:
 
 
 def drill_prepare_killed() -> tuple[bool, str]:
-    from replicas.models.architectures import check_model_dir
-    from replicas.models.prepare import cached_dir, default_gguf_path, is_complete
+    from model_files.architectures import check_model_dir
+    from model_files.prepare import cached_dir, default_gguf_path, is_complete
 
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp)

@@ -17,10 +17,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.engine.engine import Engine
-from replicas.messages import GenerateRequest, SamplingParams
-from replicas.models.prepare import prepare_model
+from core.messages import GenerateRequest, SamplingParams
+from model_files.prepare import prepare_model
 
 PROMPT = "Tell me a long story about a lighthouse keeper and a storm."
 

@@ -17,8 +17,9 @@ import time
 
 import torch
 
-from replicas.engine.request import Request
-from replicas.messages import SamplingParams
+from replicas.engine.batch_builder import sampling_rows
+from replicas.request.request import Request
+from core.messages import SamplingParams
 from replicas.sampling.processors import apply_logits_plan, build_logits_plan
 from replicas.sampling.sampler import Sampler
 
@@ -59,12 +60,12 @@ def measure(args, params: dict) -> tuple[float, float, float]:
     requests = make_requests(args, params)
     logits = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(1)) * 3  # [R, vocab]
     sampler = Sampler()
-    plan = build_logits_plan(requests, args.vocab)
+    plan = build_logits_plan(sampling_rows(requests), args.vocab)
     runs = {"plan": [], "apply": [], "step": []}
     for _ in range(args.runs):
-        runs["plan"].append(mean_ms(lambda: build_logits_plan(requests, args.vocab), args.steps))
+        runs["plan"].append(mean_ms(lambda: build_logits_plan(sampling_rows(requests), args.vocab), args.steps))
         runs["apply"].append(mean_ms(lambda: apply_logits_plan(logits, plan), args.steps))
-        runs["step"].append(mean_ms(lambda: sampler(logits, requests), args.steps))
+        runs["step"].append(mean_ms(lambda: sampler(logits, sampling_rows(requests)), args.steps))
     return tuple(statistics.median(runs[k]) for k in ("plan", "apply", "step"))
 
 

@@ -40,7 +40,7 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from replicas.messages import GenerateDelta, GenerateRequest  # noqa: E402
+from core.messages import GenerateDelta, GenerateRequest  # noqa: E402
 
 PROMPT_TOKENS = 16
 
@@ -91,8 +91,8 @@ def step_replica_class(step_s: float):
 
     class StepReplica(ModelReplica):
         def __init__(self, engine_config: dict, migration: dict | None = None, depot=None):
-            from replicas.config import EngineConfig
-            from replicas.priority import run_at_normal_priority
+            from core.engine_config import EngineConfig
+            from core.priority import run_at_normal_priority
 
             config = EngineConfig(**engine_config)
             self.engine = AsyncEngine(lambda: StepEngine(step_s), 1, config.stream_interval)

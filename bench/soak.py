@@ -147,7 +147,7 @@ async def sampler(handle, num_replicas: int, deadline: float, samples: list, t0:
 def start_app(args):
     from ray import serve
 
-    from replicas.models.prepare import prepare_model
+    from model_files.prepare import prepare_model
     from serve_app.local_ray import start_local_app
 
     model_dir = str(prepare_model("default", progress=False))

@@ -111,7 +111,7 @@ async def running_p99(client, model: str, tokens: int, late: str | None, slow_sc
 
 
 def start_app(args) -> tuple[str, str]:
-    from replicas.models.prepare import prepare_model
+    from model_files.prepare import prepare_model
     from serve_app.local_ray import start_local_app
 
     model_dir = str(prepare_model(args.model, progress=False))

@@ -18,10 +18,10 @@ import time
 import psutil
 import torch
 
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.engine.engine import Engine
-from replicas.messages import GenerateRequest, SamplingParams
-from replicas.models.prepare import prepare_model
+from core.messages import GenerateRequest, SamplingParams
+from model_files.prepare import prepare_model
 
 QUESTIONS = ["What is the capital of France?", "Explain photosynthesis to a child.",
              "Write a short poem about autumn leaves.", "How do airplanes stay in the air?",

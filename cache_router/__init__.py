@@ -1,27 +1,5 @@
-"""Prefix hashing and the Ray Serve request router.
+"""The Ray Serve request router: which replica holds a conversation's state.
 
-`cache_router.hashing` is pure Python (the replicas import it); `cache_router.router`
-imports Ray and is imported only where a deployment is configured.
+`cache_router.router` imports Ray and is imported only where a deployment is configured; the hashes it
+routes by are `core/hashing.py`'s (pure Python, shared with the ingress and the replicas).
 """
-
-from cache_router.hashing import (
-    block_hashes,
-    canonical_message,
-    extend_history_key,
-    history_key,
-    prefix_hash,
-    rendezvous_owner,
-    rendezvous_rank,
-    route_key,
-)
-
-__all__ = [
-    "block_hashes",
-    "canonical_message",
-    "extend_history_key",
-    "history_key",
-    "prefix_hash",
-    "rendezvous_owner",
-    "rendezvous_rank",
-    "route_key",
-]

@@ -23,7 +23,7 @@ unknown load counts as within the threshold (the framework probes it).
 
 from dataclasses import dataclass
 
-from cache_router.hashing import rendezvous_rank
+from core.hashing import rendezvous_rank
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Contract (runs inside each caller's process, on the handle's event loop; never b
 - Signals, from the `GenerateRequest` passed to the replica method (first positional arg
   or any kwarg): its `route_key` (else the handle's `session_id` option), the history key
   of its conversation, and the chained block hashes of its prompt ids (the replicas'
-  prefix-cache function, `cache_router.hashing.block_hashes`).
+  prefix-cache function, `core.hashing.block_hashes`).
 - Knowledge (`CacheKnowledge`): the replicas' reports (`record_routing_stats`: held block
   hashes and conversations, ~one period late) merged with what this router sent where.
 - Policy (`cache_router.policy.choose`): the replica holding the conversation, else a far
@@ -31,7 +31,7 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, ReplicaID, RunningReplica
 
-from cache_router.hashing import block_hashes, short_hash
+from core.hashing import block_hashes, short_hash
 from cache_router.knowledge import CacheKnowledge
 from cache_router.metrics import RouterMetrics
 from cache_router.policy import Candidate, PolicyConfig, choose

@@ -16,7 +16,8 @@ bf16 reorder and /proc/cpuinfo ignore it.)
 
 import functools
 import logging
-import os
+
+from core.env import cpu_isa_cap
 
 logger = logging.getLogger("ray.serve")  # Serve configures it in replicas: these lines reach the replica log
 
@@ -61,7 +62,7 @@ def detected_level(flags: set[str]) -> str:
 def cpu_isa() -> str:
     """The level every CPU path is chosen by: the detected one, capped by TETHER_CPU_ISA. Logged once."""
     detected = detected_level(cpu_flags())
-    override = os.environ.get("TETHER_CPU_ISA", "").strip().lower()
+    override = cpu_isa_cap()
     if override and override not in LEVELS:
         raise ValueError(f"TETHER_CPU_ISA={override!r} is not one of {', '.join(LEVELS)}")
     level = min(detected, override, key=LEVELS.index) if override else detected
@@ -79,7 +80,7 @@ def bf16_weights_supported() -> bool:
     AVX2 hosts with it report; honoured only when no cap is set below avx512)."""
     if has_isa("avx512"):
         return True
-    return "avx_ne_convert" in cpu_flags() and not os.environ.get("TETHER_CPU_ISA")
+    return "avx_ne_convert" in cpu_flags() and not cpu_isa_cap()
 
 
 def fast_bf16() -> bool:

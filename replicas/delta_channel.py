@@ -24,7 +24,7 @@ import logging
 import pickle
 import secrets
 
-from replicas.messages import ChannelOffer
+from core.messages import ChannelOffer
 
 logger = logging.getLogger("ray.serve")
 

@@ -1,7 +1,7 @@
 """ModelReplica: the Serve deployment that owns one Engine.
 
 Contract of `generate(request)` (called with `handle.options(stream=True)`):
-yields GenerateDeltas as replicas/messages.py describes, each stamped with
+yields GenerateDeltas as core/messages.py describes, each stamped with
 this replica's id; raises RequestError before the first delta for a request
 that can never run here. When the caller goes away, the generator is closed or
 cancelled and the sequence is aborted, its blocks freed at the next step.
@@ -19,21 +19,21 @@ import psutil
 
 from ray import serve
 
-from cache_router.hashing import short_hash
+from core.hashing import short_hash
 
 from replicas.cache.host_tier import tier_stats
-from replicas.config import EngineConfig, MigrationConfig
+from core.engine_config import EngineConfig, MigrationConfig
 from replicas.device import resolve_threads
 from replicas.engine.async_engine import AsyncEngine
 from replicas.engine.engine import Engine
-from replicas.heap import freeze_startup_heap
+from core.heap import freeze_startup_heap
 from replicas.delta_channel import DeltaChannels, Outbox
-from replicas.messages import ChannelTicket, GenerateRequest, RequestError
+from core.messages import ChannelTicket, GenerateRequest, RequestError
 from replicas.metrics import ReplicaMetrics
 from replicas.migrator import Migrator
-from replicas.models.architectures import check_model_dir
-from replicas.models.prepare import prepare_model
-from replicas.priority import run_at_normal_priority
+from model_files.architectures import check_model_dir
+from model_files.prepare import prepare_model
+from core.priority import run_at_normal_priority
 
 logger = logging.getLogger("ray.serve")
 

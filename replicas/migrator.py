@@ -14,10 +14,10 @@ import logging
 import time
 
 from replicas.cache.conversation_state import StateRefused
-from replicas.config import MigrationConfig
+from core.engine_config import MigrationConfig
 from replicas.engine.async_engine import AsyncEngine
 from replicas.engine.migration import export_states, import_state
-from replicas.messages import GenerateRequest
+from core.messages import GenerateRequest
 
 logger = logging.getLogger("ray.serve")
 

@@ -24,12 +24,12 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from cache_router.router import ConversationRouter
 from replicas.deployment import ModelReplica
 from replicas.depot import StateDepot
-from replicas.heap import freeze_startup_heap
-from replicas.models.architectures import check_model_dir
-from replicas.models.prepare import prepare_model
-from replicas.priority import run_at_normal_priority
+from core.heap import freeze_startup_heap
+from model_files.architectures import check_model_dir
+from model_files.prepare import prepare_model
+from core.priority import run_at_normal_priority
 from serve_app.backend import HandleBackend
-from serve_app.config import AppConfig
+from core.app_config import AppConfig
 from serve_app.front_door import FrontDoor
 from serve_app.routes import OpenAIServer, make_api
 

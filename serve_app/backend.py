@@ -9,7 +9,7 @@ so a client that goes away frees its sequence on the replica.
 import asyncio
 from typing import AsyncIterator
 
-from replicas.messages import GenerateDelta, GenerateRequest, RequestError
+from core.messages import GenerateDelta, GenerateRequest, RequestError
 from serve_app.channel_client import ChannelClient, replica_gone
 
 DEPLOYMENT_FAILED = "the model deployment failed to start; `serve status` shows why"

@@ -16,7 +16,7 @@ import pickle
 import uuid
 from typing import AsyncIterator
 
-from replicas.messages import ChannelOffer, ChannelTicket, GenerateDelta, RequestError
+from core.messages import ChannelOffer, ChannelTicket, GenerateDelta, RequestError
 
 logger = logging.getLogger("ray.serve")
 

@@ -5,7 +5,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from replicas.messages import RequestError
+from core.messages import RequestError
 from serve_app.protocol import FieldError
 
 

@@ -2,7 +2,7 @@
 
 The ingress decodes each image once, only to refuse what the replica could not use (a format other
 than PNG, JPEG or WebP, a corrupt file, too many pixels) with a 400 naming the field. The replica
-receives the encoded bytes (replicas.messages.ImageInput) and resizes them to its model's size.
+receives the encoded bytes (core.messages.ImageInput) and resizes them to its model's size.
 Pillow runs in a worker thread: decoding a large image must not stall the event loop.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import aiohttp
 from PIL import Image
 
-from replicas.messages import ImageInput, RequestError
-from serve_app.config import IngressConfig
+from core.messages import ImageInput, RequestError
+from core.app_config import IngressConfig
 
 FORMATS = ("PNG", "JPEG", "WEBP")  # PIL format names
 DETAILS = (None, "auto", "low", "high")

@@ -5,7 +5,7 @@ import socket
 
 from replicas.deployment import ModelReplica
 from serve_app.backend import LocalBackend
-from serve_app.config import AppConfig
+from core.app_config import AppConfig
 from serve_app.front_door import FrontDoor
 from serve_app.routes import OpenAIServer, make_api
 

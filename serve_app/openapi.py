@@ -33,7 +33,7 @@ class Deployment:
     max_model_len: int
     takes_images: bool
     has_auth: bool
-    limits: tuple = ()  # (name, value) of the ingress' request limits (serve_app/config.py, ingress.max_*)
+    limits: tuple = ()  # (name, value) of the ingress' request limits (core/app_config.py, ingress.max_*)
 
     @classmethod
     def of(cls, server) -> "Deployment":

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from replicas.messages import SamplingParams, StructuredSpec
+from core.messages import SamplingParams, StructuredSpec
 from serve_app.structured import SpecError, structured_spec
 from serve_app.tools.prompt import assistant_message
 from serve_app.tools.validation import check_tool_choice, check_tools

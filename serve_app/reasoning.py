@@ -2,7 +2,7 @@
 
 `ingress.reasoning_parser` decides for the deployment: "auto" (on when the chat template writes `<think>`),
 "think" (on), "none" (off: the reply is all content, as generated). When on, each chat request's prompt gives
-the ThinkState its reply starts in (replicas/reasoning.py); the state travels to the replica in
+the ThinkState its reply starts in (core/reasoning.py); the state travels to the replica in
 GenerateRequest.reasoning (the retained turn is keyed by the split the client received) and drives the
 response's ReasoningSplitter (serve_app/responses.py). Completions are never split.
 
@@ -10,7 +10,7 @@ The grammar of a structured-output request must not constrain the reasoning: `st
 after which it starts.
 """
 
-from replicas.reasoning import THINK_END, THINK_START, ReasoningSplitter, ThinkState, split_reasoning
+from core.reasoning import THINK_END, THINK_START, ReasoningSplitter, ThinkState, split_reasoning
 
 __all__ = ["ReasoningParser", "ReasoningSplitter", "ThinkState", "split", "split_reasoning"]
 

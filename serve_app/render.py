@@ -18,9 +18,9 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from cache_router.hashing import history_key
-from replicas.messages import RequestError
-from replicas.tokenizer import load_tokenizer
+from core.hashing import history_key
+from core.messages import RequestError
+from core.tokenizer import load_tokenizer
 from serve_app.tools.prompt import PROBE_TOOL, hermes_messages, uses_tools
 
 logger = logging.getLogger("ray.serve")

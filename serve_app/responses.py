@@ -12,8 +12,8 @@ Chat replies of a reasoning model (serve_app/reasoning.py) carry `reasoning_cont
 import time
 from dataclasses import dataclass, field
 
-from replicas.messages import GenerateDelta, TokenLogprob
-from replicas.reasoning import ReasoningSplitter, ThinkState, split_reasoning
+from core.messages import GenerateDelta, TokenLogprob
+from core.reasoning import ReasoningSplitter, ThinkState, split_reasoning
 from serve_app.tools import ToolCallReader
 
 SYSTEM_FINGERPRINT = "tether-0.1.0"

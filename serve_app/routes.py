@@ -13,12 +13,12 @@ import uuid
 
 from fastapi import Depends, FastAPI, Request
 
-from cache_router.hashing import route_key
-from replicas.config import read_max_position_embeddings
-from replicas.messages import GenerateRequest, ImageInput, RequestError, StructuredSpec, as_request_error
-from replicas.models.prepare import prepare_model
+from core.hashing import route_key
+from core.engine_config import read_max_position_embeddings
+from core.messages import GenerateRequest, ImageInput, RequestError, StructuredSpec, as_request_error
+from model_files.prepare import prepare_model
 from serve_app.backend import DEPLOYMENT_FAILED
-from serve_app.config import AppConfig
+from core.app_config import AppConfig
 from serve_app.fanout import REPLICA_HEADER, FanOut
 from serve_app.images import ImageLimits, load_images, mark_images
 from serve_app.limits import BodyLimit, check_generated_tokens, check_size_limits

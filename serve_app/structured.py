@@ -19,8 +19,8 @@ import json
 import re
 from typing import Any
 
-from replicas.messages import StructuredSpec
-from replicas.reasoning import THINK_END, THINK_START, ThinkState
+from core.messages import StructuredSpec
+from core.reasoning import THINK_END, THINK_START, ThinkState
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 STRUCTURED_OUTPUT_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")

@@ -22,29 +22,29 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from replicas.models.prepare import prepare_model
+    from model_files.prepare import prepare_model
 
     return prepare_model("default", progress=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(smollm2_dir, tmp_path_factory) -> Path:
-    from tests.tiny_models import make_tiny_llama
+    from testing.tiny_models import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_hybrid_dir(smollm2_dir, tmp_path_factory) -> Path:
-    from tests.tiny_hybrid import make_tiny_qwen3_5
+    from testing.tiny_hybrid import make_tiny_qwen3_5
 
     return make_tiny_qwen3_5(tmp_path_factory.mktemp("tiny-hybrid"), smollm2_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_family(smollm2_dir, tmp_path_factory):
-    """family -> the directory of its tiny random-weight checkpoint (tests/tiny_families.py), built once."""
-    from tests.tiny_families import make_tiny_family, make_tiny_gemma3_multimodal
+    """family -> the directory of its tiny random-weight checkpoint (testing/tiny_families.py), built once."""
+    from testing.tiny_families import make_tiny_family, make_tiny_gemma3_multimodal
 
     made: dict[str, Path] = {}
 

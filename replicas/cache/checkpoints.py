@@ -1,7 +1,7 @@
 """CheckpointPool: saved recurrent states of hybrid models, at exact token boundaries.
 
 A checkpoint summarises exactly the first `num_tokens` ids of a sequence and is keyed by
-cache_router.hashing.prefix_hash of those ids: it is used only when a request's leading ids are
+core.hashing.prefix_hash of those ids: it is used only when a request's leading ids are
 exactly them. It carries what the linear layers cannot recompute, and what the first token needs:
 
     conv / recurrent state per linear layer     the state after num_tokens tokens
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_router.hashing import prefix_hash
+from core.hashing import prefix_hash
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from cache_router.hashing import block_hashes
+from core.hashing import block_hashes
 from replicas.cache.checkpoints import Checkpoint
 
 _SAMPLES = 64  # weight-file windows hashed into the model identity

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_router.hashing import prefix_hash
+from core.hashing import prefix_hash
 from replicas.cache.block_io import insert_cached, read_blocks
 from replicas.cache.block_pool import BlockPool
 from replicas.cache.checkpoints import Checkpoint

@@ -4,16 +4,16 @@
     tokens        0..3 4..7 8 9 _ _   -> ceil(10 / 4) = 3 blocks
 
 Prefix reuse is by exact token ids only: full block i is found by the chained
-hash of blocks 0..i (cache_router.hashing.block_hashes, the router's function).
+hash of blocks 0..i (core.hashing.block_hashes, the router's function).
 A hit never covers the last token: at least one token is computed, so the first
 sampled token always has fresh logits (never an empty prefill). With a host tier
 (`tier`, replicas/cache/host_tier.py), admission first brings back the tier's
 blocks that continue the pool's hits, so the match finds them like any other.
 """
 
-from cache_router.hashing import block_hashes
+from core.hashing import block_hashes
 from replicas.cache.block_pool import BlockPool
-from replicas.engine.request import Request
+from replicas.request.request import Request
 
 
 class KVCacheManager:

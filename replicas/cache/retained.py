@@ -1,7 +1,7 @@
 """RetainedStore: the exact token ids of finished chat turns, found by the history key of the next turn.
 
 A finished turn is stored under the key the client's next request will produce
-(cache_router.hashing.history_key of its messages + the assistant reply it
+(core.hashing.history_key of its messages + the assistant reply it
 received). Entries are namespaced by the caller (the key digests the caller
 too, and the entry is checked against it). Bounded: least recently used
 entries go first once the stored ids exceed `max_tokens`; an evicted

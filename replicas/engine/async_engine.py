@@ -33,7 +33,7 @@ from typing import AsyncIterator, Callable, TypeVar
 import torch
 
 from replicas.engine.engine import Engine
-from replicas.messages import GenerateDelta, GenerateRequest, RequestError
+from core.messages import GenerateDelta, GenerateRequest, RequestError
 
 T = TypeVar("T")
 

@@ -22,6 +22,8 @@ from replicas.engine.attention_groups import build_groups
 from replicas.engine.scheduler import ScheduledRequest
 from replicas.models.forward_batch import ForwardBatch
 from replicas.models.mrope import image_positions
+from replicas.request.request import Request
+from replicas.sampling.batch import SamplingRow
 
 
 class BatchBuilder:
@@ -96,3 +98,9 @@ class BatchBuilder:
                 lo = int(cu_seqlens[s])
                 mrope[:, lo:lo + end - start] = image_positions([im.span for im in item.request.images], start, end)
         return torch.from_numpy(mrope)
+
+
+def sampling_rows(requests: list[Request]) -> list[SamplingRow]:
+    """The sampler's batch: one row per request that samples this step, in row order."""
+    return [SamplingRow(r.sampling, r.token_ids, r.num_prompt_tokens, r.eos_token_ids, r.generator, r.grammar)
+            for r in requests]

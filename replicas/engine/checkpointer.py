@@ -19,10 +19,10 @@ rules above then apply unchanged.
 
 import torch
 
-from cache_router.hashing import prefix_hash
+from core.hashing import prefix_hash
 from replicas.cache.checkpoints import Checkpoint, CheckpointPool
 from replicas.cache.kv_cache_manager import KVCacheManager
-from replicas.engine.request import Request, RequestStatus
+from replicas.request.request import Request, RequestStatus
 from replicas.models.gated_deltanet import LinearLayerState
 
 

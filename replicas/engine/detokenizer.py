@@ -44,7 +44,7 @@ class IncrementalDetokenizer:
 
     def __post_init__(self):
         context = self.prompt_token_ids[-NUM_CONTEXT_TOKENS:]
-        # An image's tokens lie past the vocabulary (replicas/engine/images.py): context starts after them.
+        # An image's tokens lie past the vocabulary (replicas/request/images.py): context starts after them.
         num_vocab = len(self.tokenizer)
         last_image = max((i for i, t in enumerate(context) if t >= num_vocab), default=-1)
         self._ids = list(context[last_image + 1:])

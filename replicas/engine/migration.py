@@ -18,7 +18,7 @@ does not fit is left out: the turn recomputes it. Both run on the step thread (A
 import time
 from dataclasses import dataclass
 
-from cache_router.hashing import block_hashes
+from core.hashing import block_hashes
 from replicas.cache.block_io import insert_cached, read_blocks
 from replicas.cache.conversation_state import ConversationState, StateLayout, StateRefused, compute_identity, \
     model_fingerprint

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replicas.engine.batch_builder import BatchBuilder
+from replicas.engine.batch_builder import BatchBuilder, sampling_rows
 from replicas.engine.scheduler import ScheduledRequest
 from replicas.kernels.paged_attention import uses_native_attention
 from replicas.models.forward_batch import ForwardBatch
@@ -68,7 +68,9 @@ class ModelRunner:
             return ModelRunnerOutput([], [], prompt_logprobs, last_hidden)
         logits = self.model.compute_logits(sample_hidden)  # [R, vocab] float32
         sampling_requests = [item.request for item in scheduled if item.samples]
-        sampled = self.sampler(logits, sampling_requests)
+        sampled = self.sampler(logits, sampling_rows(sampling_requests))
+        for row, error in sampled.errors.items():
+            sampling_requests[row].error = error  # the scheduler ends it alone (Scheduler.postprocess)
         return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs, last_hidden)
 
     @staticmethod

@@ -9,11 +9,11 @@ Never silently degraded: a miss, an opt-out or a prompt that no longer fits fall
 back to the whole render B and says which path it took.
 """
 
-from cache_router.hashing import canonical_message, extend_history_key
+from core.hashing import canonical_message, extend_history_key
 from replicas.cache.retained import RetainedStore
-from replicas.messages import GenerateRequest
-from replicas.reasoning import ThinkState, split_reasoning
-from replicas.tool_calls.reader import ToolCallReader
+from core.messages import GenerateRequest
+from core.reasoning import ThinkState, split_reasoning
+from core.tool_calls.reader import ToolCallReader
 
 
 class Retention:

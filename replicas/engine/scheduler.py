@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from replicas.cache.kv_cache_manager import KVCacheManager
 from replicas.cache.state_slots import StateSlotPool
-from replicas.engine.request import Request, RequestStatus
-from replicas.messages import RequestError
+from replicas.request.request import Request, RequestStatus
+from core.messages import RequestError
 
 
 @dataclass(slots=True)

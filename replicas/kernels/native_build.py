@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+from core.env import cache_dir, native_disabled
 from replicas.cpu_isa import compiler_flags, cpu_isa
-from replicas.models.prepare import default_cache_dir
 
 logger = logging.getLogger("ray.serve")  # Serve configures it in replicas: these lines reach the replica log
 
@@ -58,7 +58,7 @@ def _load_native(name: str, sources: tuple[Path, ...], is_python_module: bool) -
             digest.update(header.read_bytes())
     digest.update(" ".join(flags).encode())
     tag = f"{name}-{cpu_isa()}-torch{torch.__version__}-{digest.hexdigest()[:12]}"
-    build_dir = default_cache_dir() / "native" / tag
+    build_dir = cache_dir() / "native" / tag
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         with FileLock(build_dir / "tether-build.lock"):
@@ -82,7 +82,7 @@ def _load_native(name: str, sources: tuple[Path, ...], is_python_module: bool) -
 
 
 def _unavailable_reason() -> str | None:
-    if os.environ.get("TETHER_NATIVE", "").strip() == "0":
+    if native_disabled():
         return "TETHER_NATIVE=0"
     if cpu_isa() == "baseline":
         return "the CPU ISA level is baseline (the native build needs AVX2 + FMA)"

@@ -15,7 +15,7 @@ from replicas.kernels.cpu_linear import PackedLinear, can_pack, pack_linears
 from replicas.kernels.cpu_linear.int8_native import Int8Linear
 from replicas.kernels.cpu_linear.int4 import find_four_bit_linears, int4_backend, use_int4_linears
 from replicas.kernels.paged_attention import can_use_native_attention
-from replicas.models.architectures import check_architecture
+from model_files.architectures import check_architecture
 from replicas.models.gemma3 import Gemma3ForCausalLM
 from replicas.models.layers import MergedLinear, use_native_ops
 from replicas.models.llama import LlamaForCausalLM
@@ -25,7 +25,7 @@ from replicas.models.rope import RotaryEmbedding
 
 logger = logging.getLogger("ray.serve")  # Serve configures it in replicas: these lines reach the replica log
 
-# architectures value -> our class (replicas/models/architectures.py names the families and the closest ones)
+# architectures value -> our class (model_files/architectures.py names the families and the closest ones)
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,

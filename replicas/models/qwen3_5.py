@@ -106,7 +106,7 @@ class Qwen3_5TextModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Token embeddings [T, hidden]; an image's tokens (ids past the vocabulary, one value per image:
-        replicas/engine/images.py) take their vision features instead."""
+        replicas/request/images.py) take their vision features instead."""
         if batch.image_embeds is None:
             return self.embed_tokens(input_ids)
         rows, features = batch.image_embeds  # [K], [K, hidden]

@@ -5,7 +5,7 @@
                  request reaches the engine, so the scheduler never waits on a compilation; an invalid spec
                  fails there: RequestError 400 naming spec.param, before the first delta.
     add_request  GrammarManager.new_state(spec, compiled) -> GrammarState, held on Request.grammar.
-    each step    Sampler: GrammarManager.apply(logits, requests) fills the bitmask rows of the sequences whose
+    each step    Sampler: GrammarManager.apply(logits, batch) fills the bitmask rows of the sequences whose
                  grammar is active and sets their disallowed logits to -inf in place, BEFORE the logits
                  processors (so logprobs see the mask); grammar_end_wins keeps min_tokens from emptying a row.
     postprocess  GrammarState.advance(...): the matcher consumes the new output ids; a terminated matcher
@@ -22,12 +22,16 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 import xgrammar as xgr
 
+from core.messages import STRUCTURED_KINDS, RequestError, StructuredSpec
 from replicas.kernels import fused_cpu
-from replicas.messages import STRUCTURED_KINDS, RequestError, StructuredSpec
+
+if TYPE_CHECKING:
+    from replicas.sampling.batch import SamplingRow
 
 # Compiled grammars kept (LRU, by spec). A big JSON schema's token-mask cache is a few MB at most.
 MAX_CACHED_GRAMMARS = 256
@@ -169,14 +173,14 @@ class GrammarManager:
     def release(self, state: GrammarState) -> None:
         self.num_live -= 1
 
-    def apply(self, logits: torch.Tensor, requests) -> list[int]:
+    def apply(self, logits: torch.Tensor, batch: "list[SamplingRow]") -> list[int]:
         """Masks, in place, the rows whose grammar is active; returns them. logits: [R, V] float32, row r is
-        requests[r]'s (R <= max_num_seqs: each running sequence samples at most once a step)."""
-        rows = [r for r, req in enumerate(requests) if req.grammar is not None and req.grammar.is_active]
+        batch[r]'s (R <= max_num_seqs: each running sequence samples at most once a step)."""
+        rows = [r for r, row in enumerate(batch) if row.grammar is not None and row.grammar.is_active]
         if not rows:
             return rows
         for r in rows:
-            requests[r].grammar.matcher.fill_next_token_bitmask(self.bitmask, r)
+            batch[r].grammar.matcher.fill_next_token_bitmask(self.bitmask, r)
         if logits.device.type == "cpu" and fused_cpu.fused_ops() is not None:  # ~2 us a row, xgrammar's ~180
             fused_cpu.apply_token_bitmask_(logits, self.bitmask, rows)
             return rows

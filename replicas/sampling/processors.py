@@ -1,6 +1,6 @@
 """Logits processors: penalties, logit_bias, min_tokens and min_p, on a float32 copy of the rows that ask.
 
-    plan = build_logits_plan(requests, vocab_size, device)   host side, once per step; None: no row asks
+    plan = build_logits_plan(batch, vocab_size, device)   host side, once per step; None: no row asks
     logits = apply_logits_plan(logits, plan)                 the plan's rows processed, the others untouched
 
 The plan applies, in vLLM's order:
@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from replicas.engine.request import Request
+from replicas.sampling.batch import SamplingRow
 
 MAX_LOGIT_BIAS = 100.0
 
 
-def asks_for_processing(request: Request) -> bool:
+def asks_for_processing(request: SamplingRow) -> bool:
     """Whether the request's row needs a processor this step (min_tokens only while it still binds)."""
     s = request.sampling
     return (s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
@@ -60,32 +60,32 @@ class LogitsPlan:
     min_p: torch.Tensor | None = None  # [P] float32, 0 for rows without it (log 0 = -inf masks nothing)
 
 
-def build_logits_plan(requests: list[Request], vocab_size: int,
+def build_logits_plan(batch: list[SamplingRow], vocab_size: int,
                       device: torch.device | str = "cpu") -> LogitsPlan | None:
-    """The step's plan for the batch rows requests[r]; None when no row asks (the sampler's plain path)."""
-    rows = [r for r, req in enumerate(requests) if asks_for_processing(req)]
+    """The step's plan for the rows of `batch`; None when no row asks (the sampler's plain path)."""
+    rows = [r for r, row in enumerate(batch) if asks_for_processing(row)]
     if not rows:
         return None
-    asking = [requests[r] for r in rows]
-    params = [req.sampling for req in asking]
+    asking = [batch[r] for r in rows]
+    params = [row.sampling for row in asking]
     to = lambda xs, dtype: torch.tensor(xs, dtype=dtype).to(device, non_blocking=True)  # noqa: E731
     plan = LogitsPlan(to(rows, torch.int64), vocab_size)
     if any(s.repetition_penalty != 1.0 for s in params):
         plan.repetition_penalty = to([s.repetition_penalty for s in params], torch.float32)
-        seen = [req.token_ids if req.sampling.repetition_penalty != 1.0 else [] for req in asking]
+        seen = [row.token_ids if row.sampling.repetition_penalty != 1.0 else [] for row in asking]
         plan.seen_ids = to(_padded(seen, vocab_size), torch.int64)
     if any(s.presence_penalty != 0.0 or s.frequency_penalty != 0.0 for s in params):
         plan.presence_penalty = to([s.presence_penalty for s in params], torch.float32)
         plan.frequency_penalty = to([s.frequency_penalty for s in params], torch.float32)
-        outputs = [req.output_token_ids if req.sampling.presence_penalty or req.sampling.frequency_penalty else []
-                   for req in asking]
+        outputs = [row.output_token_ids if row.sampling.presence_penalty or row.sampling.frequency_penalty else []
+                   for row in asking]
         plan.output_ids = to(_padded(outputs, vocab_size), torch.int64)
     bias = [(p, t, max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, b)))
             for p, s in enumerate(params) for t, b in s.logit_bias.items()]
     if bias:
         plan.bias_index = (to([p for p, _, _ in bias], torch.int64), to([t for _, t, _ in bias], torch.int64))
         plan.bias_values = to([b for _, _, b in bias], torch.float32)
-    banned = [(p, t) for p, req in enumerate(asking) for t in sorted(_min_tokens_banned(req, vocab_size))]
+    banned = [(p, t) for p, row in enumerate(asking) for t in sorted(_min_tokens_banned(row, vocab_size))]
     if banned:
         plan.banned_index = (to([p for p, _ in banned], torch.int64), to([t for _, t in banned], torch.int64))
     if any(s.min_p > 0.0 for s in params):
@@ -98,7 +98,7 @@ def _padded(histories: list[list[int]], pad: int) -> list[list[int]]:
     return [h + [pad] * (width - len(h)) for h in histories]
 
 
-def _min_tokens_banned(request: Request, vocab_size: int) -> set[int]:
+def _min_tokens_banned(request: SamplingRow, vocab_size: int) -> set[int]:
     s = request.sampling
     if request.num_output_tokens >= s.min_tokens:
         return set()

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from replicas.engine.request import Request
-from replicas.messages import RequestError
+from core.messages import RequestError
+from replicas.sampling.batch import SamplingRow
 from replicas.sampling.grammar import GrammarManager, grammar_end_wins
 from replicas.sampling.logprobs import PositionLogprobs, compute_logprobs
 from replicas.sampling.processors import apply_logits_plan, build_logits_plan
@@ -30,62 +30,64 @@ from replicas.sampling.processors import apply_logits_plan, build_logits_plan
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[PositionLogprobs | None]  # one per row; None where the request did not ask
+    errors: dict[int, RequestError]  # rows that could not be drawn for (fail_empty_rows): their requests fail
 
 
 class Sampler:
     def __init__(self, grammars: GrammarManager | None = None):
         self.grammars = grammars
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        # logits: [R, vocab] float32, row r belongs to requests[r]
-        masked_rows = self.grammars.apply(logits, requests) if self.grammars and self.grammars.num_live else []
-        plan = build_logits_plan(requests, logits.shape[-1], logits.device)
+    def __call__(self, logits: torch.Tensor, batch: list[SamplingRow]) -> SamplerOutput:
+        # logits: [R, vocab] float32, row r belongs to batch[r]
+        masked_rows = self.grammars.apply(logits, batch) if self.grammars and self.grammars.num_live else []
+        plan = build_logits_plan(batch, logits.shape[-1], logits.device)
         processed = apply_logits_plan(logits, plan)  # [R, vocab]; a copy when a plan applies
         if masked_rows and plan is not None:
             processed = grammar_end_wins(processed, logits, masked_rows)
         logits = processed
-        if masked_rows:
-            fail_empty_rows(logits, requests, masked_rows)
+        errors = fail_empty_rows(logits, batch, masked_rows) if masked_rows else {}
         token_ids = logits.argmax(dim=-1).cpu()  # [R]
-        rows = [r for r, req in enumerate(requests) if not req.sampling.is_greedy]
+        rows = [r for r, row in enumerate(batch) if not row.sampling.is_greedy]
         if rows:
-            probs = self._probs(logits[rows], [requests[r] for r in rows]).cpu()  # [len(rows), vocab]
+            probs = self._probs(logits[rows], [batch[r] for r in rows]).cpu()  # [len(rows), vocab]
             for i, r in enumerate(rows):
-                token_ids[r] = torch.multinomial(probs[i], 1, generator=requests[r].generator)[0]
-        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, token_ids, requests))
+                token_ids[r] = torch.multinomial(probs[i], 1, generator=batch[r].generator)[0]
+        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, token_ids, batch), errors)
 
-    def _probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        temperature = torch.tensor([req.sampling.temperature for req in requests], dtype=logits.dtype,
+    def _probs(self, logits: torch.Tensor, batch: list[SamplingRow]) -> torch.Tensor:
+        temperature = torch.tensor([row.sampling.temperature for row in batch], dtype=logits.dtype,
                                    device=logits.device)
         logits = logits / temperature[:, None]
-        top_k = [req.sampling.top_k for req in requests]
-        top_p = [req.sampling.top_p for req in requests]
+        top_k = [row.sampling.top_k for row in batch]
+        top_p = [row.sampling.top_p for row in batch]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             logits = apply_top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)
 
     def _logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor,
-                  requests: list[Request]) -> list[PositionLogprobs | None]:
-        out: list[PositionLogprobs | None] = [None] * len(requests)
-        rows = [r for r, req in enumerate(requests) if req.sampling.logprobs is not None]
+                  batch: list[SamplingRow]) -> list[PositionLogprobs | None]:
+        out: list[PositionLogprobs | None] = [None] * len(batch)
+        rows = [r for r, row in enumerate(batch) if row.sampling.logprobs is not None]
         if rows:
-            entries = compute_logprobs(logits[rows], token_ids[rows], [requests[r].sampling.logprobs for r in rows])
+            entries = compute_logprobs(logits[rows], token_ids[rows], [batch[r].sampling.logprobs for r in rows])
             for r, entry in zip(rows, entries):
                 out[r] = entry
         return out
 
 
-def fail_empty_rows(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+def fail_empty_rows(logits: torch.Tensor, batch: list[SamplingRow], rows: list[int]) -> dict[int, RequestError]:
     """A grammar row with no finite logit (no token of this vocabulary can continue the grammar: a choice of
     "\x04") cannot be drawn from: its request fails alone (a 400 naming its field, at postprocess) and the row
-    gets zeros, so the batch samples on. logits: [R, V], modified in place."""
+    gets zeros, so the batch samples on. logits: [R, V], modified in place. -> {row: its error}"""
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     empty = index[~torch.isfinite(logits.index_select(0, index)).any(dim=-1)].tolist()
+    errors = {}
     for r in empty:
-        spec = requests[r].sampling.structured
-        requests[r].error = RequestError(f"{spec.param}: no token of this model's vocabulary can continue the "
-                                         "structured output here", param=spec.param)
+        spec = batch[r].sampling.structured
+        errors[r] = RequestError(f"{spec.param}: no token of this model's vocabulary can continue the "
+                                 "structured output here", param=spec.param)
         logits[r] = 0.0
+    return errors
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

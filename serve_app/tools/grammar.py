@@ -17,8 +17,8 @@ the model may or may not open it (Qwen3's template), `optional_reasoning` lets t
 
 import json
 
-from replicas.reasoning import THINK_END, THINK_START
-from replicas.tool_calls.stream import END, START
+from core.reasoning import THINK_END, THINK_START
+from core.tool_calls.stream import END, START
 
 OBJECT = {"type": "object", "properties": {}}
 # At most one whitespace character in a row inside the arguments JSON: the templates' own form

@@ -2,7 +2,7 @@
 
 1. Every template gets assistant tool calls with `arguments` as an object: OpenAI clients send a JSON
    string, and Qwen's / Llama's templates write `arguments | tojson` (a string would render quoted twice).
-   The same form keys retention (cache_router.hashing.history_key), so a client that re-serialises the
+   The same form keys retention (core.hashing.history_key), so a client that re-serialises the
    arguments with other spacing still finds its conversation. An assistant message with tool calls and no
    content gets content "" (Qwen3's and Phi-3's templates read `message.content` unguarded).
 2. A template without tool support (SmolLM2's, Gemma 3's, Phi-3's: passing `tools` changes nothing) would

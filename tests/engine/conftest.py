@@ -2,9 +2,9 @@
 
 import pytest
 
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.engine.engine import Engine
-from replicas.messages import GenerateRequest, SamplingParams
+from core.messages import GenerateRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ no boundary is saved twice; eviction under a tiny budget changes no output."""
 import pytest
 import torch
 
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.engine.engine import Engine
-from replicas.messages import GenerateRequest, SamplingParams
+from core.messages import GenerateRequest, SamplingParams
 from tests.engine.conftest import greedy, prompts
 
 BLOCK = 4

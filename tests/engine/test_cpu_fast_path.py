@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.engine.async_engine import AsyncEngine, is_delivery_due
-from replicas.messages import RequestError
+from core.messages import RequestError
 from replicas.engine.engine import Engine
-from replicas.messages import GenerateDelta
+from core.messages import GenerateDelta
 from replicas.kernels.cpu_linear import PackedLinear, can_pack
 from tests.engine.conftest import greedy, prompts, run_all
 

@@ -5,10 +5,10 @@ evicted checkpoint comes back with its blocks and the earlier turn is not recomp
 import pytest
 import torch
 
-from cache_router.hashing import block_hashes
-from replicas.config import EngineConfig
+from core.hashing import block_hashes
+from core.engine_config import EngineConfig
 from replicas.engine.engine import Engine
-from replicas.messages import GenerateRequest, SamplingParams
+from core.messages import GenerateRequest, SamplingParams
 from tests.engine.conftest import prompts
 from tests.engine.test_checkpoints import poison
 

@@ -4,7 +4,7 @@ alone, and the requests beside it finish."""
 
 import pytest
 
-from replicas.messages import GenerateRequest, SamplingParams, StructuredSpec
+from core.messages import GenerateRequest, SamplingParams, StructuredSpec
 from tests.engine.conftest import prompts, run_all
 
 

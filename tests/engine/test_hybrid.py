@@ -5,7 +5,7 @@ state slots come back."""
 import pytest
 import torch
 
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.engine.engine import Engine
 from tests.engine.conftest import greedy, prompts, run_all
 

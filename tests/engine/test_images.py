@@ -1,5 +1,5 @@
 """Images on the replica, through the real Engine, against transformers' Qwen3_5ForConditionalGeneration on a
-tiny random checkpoint (tests/tiny_vision.py): greedy tokens equal for one image, two of different sizes,
+tiny random checkpoint (testing/tiny_vision.py): greedy tokens equal for one image, two of different sizes,
 an image first or mid-text, batched with text-only requests, with chunked prefill splitting an image; the
 placeholder count must match the images; two images of the same size never share a block; a later turn
 served from cache never runs the vision tower again."""
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.engine.engine import Engine
-from replicas.messages import GenerateRequest, ImageInput, RequestError, SamplingParams
+from core.messages import GenerateRequest, ImageInput, RequestError, SamplingParams
 from tests.engine.conftest import run_all as run
 
 NUM_STEPS = 32
@@ -21,7 +21,7 @@ NUM_STEPS = 32
 
 @pytest.fixture(scope="module")
 def vl_dir(smollm2_dir, tmp_path_factory):
-    from tests.tiny_vision import make_tiny_qwen3_5_vl
+    from testing.tiny_vision import make_tiny_qwen3_5_vl
 
     return make_tiny_qwen3_5_vl(tmp_path_factory.mktemp("tiny-qwen3_5-vl"), smollm2_dir)
 
@@ -149,8 +149,8 @@ def test_placeholders_must_match_the_images(engine, ids):
 
 
 def test_two_images_of_one_size_never_share_a_block(vl_dir, ids):
-    from cache_router.hashing import block_hashes
-    from replicas.engine.images import expand_images
+    from core.hashing import block_hashes
+    from replicas.request.images import expand_images
 
     engine = Engine(EngineConfig(model=str(vl_dir), dtype="float32"))
     prompt = with_image(ids, text(12, 16), "IMG", text(13, 3))  # the image starts at token 17

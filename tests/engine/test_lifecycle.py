@@ -3,7 +3,7 @@ seeded sampling does not depend on the batch, impossible requests are refused.""
 
 import pytest
 
-from replicas.messages import GenerateRequest, RequestError, SamplingParams
+from core.messages import GenerateRequest, RequestError, SamplingParams
 from tests.engine.conftest import greedy, prompts, run_all
 
 

@@ -6,7 +6,7 @@ reasoning count."""
 import pytest
 import torch
 
-from replicas.messages import GenerateDelta, GenerateRequest, RequestError, SamplingParams
+from core.messages import GenerateDelta, GenerateRequest, RequestError, SamplingParams
 from tests.engine.conftest import greedy, prompts, run_all
 
 PROMPT = prompts([12])[0]

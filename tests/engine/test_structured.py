@@ -14,7 +14,7 @@ import torch
 import xgrammar as xgr
 
 from replicas.engine.async_engine import AsyncEngine
-from replicas.messages import GenerateRequest, RequestError, SamplingParams, StructuredSpec
+from core.messages import GenerateRequest, RequestError, SamplingParams, StructuredSpec
 from replicas.sampling.grammar import GrammarState
 from tests.engine.conftest import greedy, prompts, run_all
 
@@ -241,9 +241,9 @@ def test_abort_releases_the_matcher(engine):
 
 def test_padded_vocabulary_ids_are_masked(tiny_llama_dir, smollm2_dir, tmp_path_factory):
     """The logits are wider than the tokenizer (vocab_size padded): ids past it are never allowed."""
-    from replicas.config import EngineConfig
+    from core.engine_config import EngineConfig
     from replicas.engine.engine import Engine
-    from tests.tiny_models import TINY_LLAMA, HEAD_SCALE
+    from testing.tiny_models import TINY_LLAMA, HEAD_SCALE
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("tiny-padded")
@@ -265,7 +265,7 @@ def test_padded_vocabulary_ids_are_masked(tiny_llama_dir, smollm2_dir, tmp_path_
 
 
 def test_async_engine_compiles_off_the_step_thread(tiny_llama_dir):
-    from replicas.config import EngineConfig
+    from core.engine_config import EngineConfig
     from replicas.engine.engine import Engine
 
     engine = AsyncEngine(lambda: Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32")))
@@ -343,7 +343,7 @@ def test_steps_leave_a_core_to_each_compilation(make_engine):
 
 
 def test_async_stream_ends_with_the_error_after_its_deltas(tiny_llama_dir, monkeypatch):
-    from replicas.config import EngineConfig
+    from core.engine_config import EngineConfig
     from replicas.engine.engine import Engine
 
     advance = GrammarState.advance

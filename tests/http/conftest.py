@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from replicas.deployment import ModelReplica
-from serve_app.config import AppConfig
+from core.app_config import AppConfig
 from serve_app.local_server import LocalServer
 
 MODEL = "tiny"

@@ -1,5 +1,5 @@
 """Every supported family served end to end (the real engine behind the real routes, the openai client), on its
-tiny checkpoint with the family's tokenizer and published chat template (tests/tiny_families.py):
+tiny checkpoint with the family's tokenizer and published chat template (testing/tiny_families.py):
 chat rendered by the family's template, multi-turn with retention (turn k computes at most the new tokens and
 one block), n = 2, logprobs."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from tests.http.conftest import MODEL
 from tests.http.test_multiturn import check_each_turn_costs_only_what_it_added, converse
-from tests.tiny_families import FAMILIES
+from testing.tiny_families import FAMILIES
 
 FIRST = "Hello! Name three rivers of Europe and say which seas they reach."
 

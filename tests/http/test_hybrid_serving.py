@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tests.http.test_multiturn import QWEN_STYLE_TEMPLATE, converse
-from tests.tiny_models import with_chat_template
+from testing.tiny_models import with_chat_template
 
 
 @pytest.fixture(scope="module", params=["smollm2-template", "qwen-style-template"])

@@ -14,14 +14,14 @@ import pytest
 
 from tests.http.conftest import MODEL, wait_idle
 
-TEMPLATE = "tests/data/chat_templates/qwen3_5.jinja"
+TEMPLATE = "testing/data/chat_templates/qwen3_5.jinja"
 
 
 @pytest.fixture(scope="module")
 def vl_chat_dir(smollm2_dir, tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from tests.tiny_vision import make_tiny_qwen3_5_vl
+    from testing.tiny_vision import make_tiny_qwen3_5_vl
 
     path = make_tiny_qwen3_5_vl(tmp_path_factory.mktemp("tiny-vl-chat"), smollm2_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -143,7 +143,7 @@ def test_a_text_only_model_refuses_images(start_server):
 
 def test_a_template_that_writes_no_placeholder_is_refused(start_server, smollm2_dir, tmp_path_factory):
     """A template that renders the text parts only writes no placeholder for the image -> 400, nothing runs."""
-    from tests.tiny_vision import make_tiny_qwen3_5_vl
+    from testing.tiny_vision import make_tiny_qwen3_5_vl
 
     text_only = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
                  "{% else %}{% for p in m['content'] %}{{ p.get('text', '') }}{% endfor %}{% endif %}\n"

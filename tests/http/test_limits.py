@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from replicas.messages import GenerateDelta, RequestError
+from core.messages import GenerateDelta, RequestError
 from serve_app.fanout import _interleave
 from serve_app.routes import is_known_key
 from tests.http.conftest import MODEL, wait_idle

@@ -12,13 +12,13 @@ import openai
 import pytest
 
 from replicas.cache.conversation_state import StateRefused
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.depot import StateDepot
 from replicas.engine.engine import Engine
 from replicas.engine.migration import export_states, import_state
 from tests.http.conftest import MODEL
 from tests.http.test_multiturn import BLOCK, turn
-from tests.local_depot import InProcessDepot
+from testing.local_depot import InProcessDepot
 
 FIRST = "Hello! Name three rivers and say which is longest."
 

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from tests.http.conftest import MODEL
-from tests.tiny_models import with_chat_template
+from testing.tiny_models import with_chat_template
 
 BLOCK = 16  # the engine's default block size
 QWEN_STYLE_TEMPLATE = (

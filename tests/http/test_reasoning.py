@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from tests.family_tokenizers import TEMPLATE_DIR
+from testing.family_tokenizers import TEMPLATE_DIR
 from tests.http.conftest import MODEL
 
 USER = [{"role": "user", "content": "Think, then answer."}]
@@ -27,7 +27,7 @@ def make_chain_model(out_dir: Path, base_dir: Path, template: str, chain: list[s
     after each of `starts` is chain[0]."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-    from tests.tiny_families import make_tiny_family
+    from testing.tiny_families import make_tiny_family
 
     make_tiny_family("qwen3", out_dir, base_dir, tie_word_embeddings=False)
     tokenizer = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)

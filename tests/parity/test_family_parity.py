@@ -1,5 +1,5 @@
 """Every supported family against its transformers implementation, on a tiny random-weight model with every
-distinguishing feature on (tests/tiny_families.py), float32:
+distinguishing feature on (testing/tiny_families.py), float32:
 
 1. logits within 1e-4 of transformers' at every position of a 37-token prompt (longer than the sliding windows);
 2. the same greedy tokens over 32 steps, our engine's way: three chat prompts batched together, through chunked
@@ -13,13 +13,13 @@ utilities (whose per-family input preparation is not the model).
 import pytest
 import torch
 
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.device import has_fast_bf16
 from replicas.engine.engine import Engine
-from replicas.messages import GenerateRequest, SamplingParams
+from core.messages import GenerateRequest, SamplingParams
 from tests.engine.conftest import run_all
 from tests.parity.test_llama_parity import our_logits
-from tests.tiny_families import FAMILIES
+from testing.tiny_families import FAMILIES
 
 TOL = 1e-4
 NUM_STEPS = 32
@@ -108,7 +108,7 @@ def test_greedy_matches_transformers_batched_chunked_and_cached(family_dir, requ
 
 @pytest.mark.parametrize("family_dir", ["llama3", "gemma3"], indirect=True)
 def test_every_stop_token_of_generation_config_ends_a_turn(family_dir, request):
-    from tests.family_tokenizers import FAMILY_TOKENS
+    from testing.family_tokenizers import FAMILY_TOKENS
 
     engine = Engine(EngineConfig(model=str(family_dir), dtype="float32", num_kv_blocks=16))
     family = request.node.callspec.params["family_dir"]
@@ -118,7 +118,7 @@ def test_every_stop_token_of_generation_config_ends_a_turn(family_dir, request):
 
 
 def test_the_loader_builds_every_architecture_the_refusal_names():
-    from replicas.models.architectures import SUPPORTED
+    from model_files.architectures import SUPPORTED
     from replicas.models.loader import ARCHITECTURES
 
     assert set(ARCHITECTURES) == set(SUPPORTED)

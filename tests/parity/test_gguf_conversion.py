@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from replicas.models.prepare import default_gguf_path
+from model_files.prepare import default_gguf_path
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Tiny GGUF files of each supported architecture, in every supported tensor type (tests/tiny_gguf.py).
+"""Tiny GGUF files of each supported architecture, in every supported tensor type (testing/tiny_gguf.py).
 
 1. Each file, converted by prepare_model and loaded by our loader (load_model, float32, CPU), gives logits
    within 1e-4 of transformers' model holding the dequantized weights of the same bytes, with llama.cpp's
@@ -27,14 +27,14 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from replicas.config import EngineConfig
+from core.engine_config import EngineConfig
 from replicas.engine.engine import Engine
-from replicas.models.gguf import convert_gguf
-from replicas.models.gguf_config import read_config
-from replicas.models.gguf_rope import llama3_parameters, rope_parameters
-from replicas.models.prepare import prepare_model
+from model_files.gguf import convert_gguf
+from model_files.gguf_config import read_config
+from model_files.gguf_rope import llama3_parameters, rope_parameters
+from model_files.prepare import prepare_model
 from tests.parity.test_llama_parity import our_logits
-from tests.tiny_gguf import GEMMA3, PHI3, QWEN3MOE, ROPE_THETA, T, sizes, smollm2_tokenizer, write_tiny_gguf
+from testing.tiny_gguf import GEMMA3, PHI3, QWEN3MOE, ROPE_THETA, T, sizes, smollm2_tokenizer, write_tiny_gguf
 
 TOL = 1e-4
 # What a Q4_K_M file mixes, and the 32-block types with F16 / BF16 around them.
@@ -95,7 +95,7 @@ def llamacpp_rope_freqs(theta: float, head_dim: int, factor: float, low_freq_fac
 
 
 def family_settings(arch: str, head_dim: int, rope: dict | None) -> dict:
-    """The HF config keys of the tiny model, from tests/tiny_gguf.py's HF-side values."""
+    """The HF config keys of the tiny model, from testing/tiny_gguf.py's HF-side values."""
     if arch == "gemma3":
         num_layers = GEMMA3["num_hidden_layers"]
         return dict(head_dim=head_dim, sliding_window=GEMMA3["sliding_window"], query_pre_attn_scalar=head_dim,

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from replicas.engine.model_runner import ModelRunner
-from replicas.engine.request import Request
+from replicas.request.request import Request
 from replicas.engine.scheduler import ScheduledRequest
 from replicas.kernels.paged_attention import naive, naive_paged_attention, naive_paged_decode_attention, store_kvcache
-from replicas.messages import SamplingParams
+from core.messages import SamplingParams
 
 H, HKV, D, BLOCK = 6, 2, 16, 4
 

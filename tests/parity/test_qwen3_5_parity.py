@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from replicas.engine.model_runner import ModelRunner
-from replicas.engine.request import Request
+from replicas.request.request import Request
 from replicas.engine.scheduler import ScheduledRequest
-from replicas.messages import SamplingParams
+from core.messages import SamplingParams
 from replicas.models.gated_deltanet import allocate_linear_states, make_linear_state_batch
 from replicas.models.qwen3_5 import Qwen3_5ForCausalLM
 
@@ -21,7 +21,7 @@ BLOCK, NUM_BLOCKS, NUM_SLOTS = 4, 96, 6
 
 @pytest.fixture(scope="module")
 def tiny_qwen3_5_dir(smollm2_dir, tmp_path_factory):
-    from tests.tiny_hybrid import make_tiny_qwen3_5
+    from testing.tiny_hybrid import make_tiny_qwen3_5
 
     return make_tiny_qwen3_5(tmp_path_factory.mktemp("tiny-qwen3_5"), smollm2_dir)
 

@@ -3,7 +3,7 @@
     import beside our CPU torch) on RGB, RGBA, grayscale, too-large and too-small images, exactly;
 (b) grid_for(width, height), from the size alone, == the processor's grid;
 (c) replicas/models/qwen3_5_vision.py == Qwen3_5ForConditionalGeneration's image features on the tiny
-    checkpoint (tests/tiny_vision.py), float32, one image and two of different sizes in one call;
+    checkpoint (testing/tiny_vision.py), float32, one image and two of different sizes in one call;
 (d) load_vision_tower: strict on the tiny checkpoint; None for a text-only one.
 """
 
@@ -18,7 +18,7 @@ from replicas.images.processor import ImageProcessor
 from replicas.models.qwen3_5_vision import Qwen3_5VisionTower, load_vision_tower, read_vision_weights
 
 TOL = 1e-5
-MIN_PIXELS, MAX_PIXELS = 4 * 32 * 32, 64 * 32 * 32  # as tests/tiny_vision.py's preprocessor_config.json
+MIN_PIXELS, MAX_PIXELS = 4 * 32 * 32, 64 * 32 * 32  # as testing/tiny_vision.py's preprocessor_config.json
 
 
 def random_image(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
@@ -41,7 +41,7 @@ IMAGES = {
 
 @pytest.fixture(scope="module")
 def tiny_vl_dir(tmp_path_factory):
-    from tests.tiny_vision import make_tiny_qwen3_5_vl
+    from testing.tiny_vision import make_tiny_qwen3_5_vl
 
     return make_tiny_qwen3_5_vl(tmp_path_factory.mktemp("tiny-qwen3_5-vl"))
 

@@ -1,17 +1,11 @@
 """One real local Serve app per test run: the production builder, the tiny model, 2 replicas."""
 
-import socket
-
 import pytest
+
+from serve_app.local_server import free_port
 
 APP = "tether"
 MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 METRICS_PORT = free_port()  # Ray's Prometheus export port for this run
@@ -62,7 +56,7 @@ def wait_until_routed_to_each(base_url: str, replica_ids: list[str], timeout_s: 
 
     import httpx
 
-    from cache_router.hashing import rendezvous_owner, route_key
+    from core.hashing import rendezvous_owner, route_key
     from serve_app.routes import REPLICA_HEADER
 
     served: set[str] = set()

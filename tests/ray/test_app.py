@@ -4,7 +4,7 @@ rendezvous function predicts for its route_key."""
 import openai
 import pytest
 
-from cache_router.hashing import rendezvous_owner, route_key
+from core.hashing import rendezvous_owner, route_key
 from serve_app.routes import REPLICA_HEADER
 from tests.ray.conftest import MODEL, stats_of_each
 

@@ -13,8 +13,9 @@ import time
 import httpx
 import pytest
 
-from tests.faulty_replica import faulty_replica_class
-from tests.ray.conftest import MODEL, free_port
+from testing.faulty_replica import faulty_replica_class
+from serve_app.local_server import free_port
+from tests.ray.conftest import MODEL
 
 FAULTY = "faulty"
 FAULT_MAX_TOKENS = 777

@@ -16,7 +16,8 @@ import time
 import httpx
 import pytest
 
-from tests.ray.conftest import MODEL, free_port, stats_of_each, wait_until_routed_to_each
+from serve_app.local_server import free_port
+from tests.ray.conftest import MODEL, stats_of_each, wait_until_routed_to_each
 
 APP = "migrate"
 BLOCK = 16
@@ -77,7 +78,7 @@ def chat(base: str, messages: list[dict]) -> dict:
 def spread_over(ids: list[str], count: int = NUM_CONVERSATIONS) -> list[str]:
     """First messages of `count` conversations whose rendezvous owners cover every replica (at least
     two each), so whichever replica Serve removes holds conversations."""
-    from cache_router.hashing import rendezvous_owner, route_key
+    from core.hashing import rendezvous_owner, route_key
 
     texts, per_replica, i = [], dict.fromkeys(ids, 0), 0
     while len(texts) < count:
@@ -110,7 +111,7 @@ def replica_stats(ids: set[str]) -> dict[str, dict]:
 
 
 def cold_completion(model_dir, prompt: list[int]) -> list[int]:
-    from replicas.config import EngineConfig
+    from core.engine_config import EngineConfig
     from replicas.engine.engine import Engine
     from tests.engine.conftest import greedy, run_all
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from replicas.models.architectures import UnsupportedModelError
+from model_files.architectures import UnsupportedModelError
 
 BROKEN = "broken"
 
@@ -53,7 +53,7 @@ def test_the_builder_refuses_an_unsupported_architecture(tiny_llama_dir, tmp_pat
 
 
 def test_every_hint_names_a_supported_architecture_and_says_why():
-    from replicas.models.architectures import CLOSEST, CLOSEST_WHY, SUPPORTED, check_architecture
+    from model_files.architectures import CLOSEST, CLOSEST_WHY, SUPPORTED, check_architecture
 
     assert set(CLOSEST) == set(CLOSEST_WHY) and not set(CLOSEST) & set(SUPPORTED)
     assert all(target in SUPPORTED for target in CLOSEST.values())

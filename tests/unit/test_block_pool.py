@@ -4,8 +4,8 @@ import pytest
 
 from replicas.cache.block_pool import BlockPool
 from replicas.cache.kv_cache_manager import KVCacheManager
-from replicas.engine.request import Request
-from replicas.messages import SamplingParams
+from replicas.request.request import Request
+from core.messages import SamplingParams
 
 
 def request(num_prompt: int) -> Request:

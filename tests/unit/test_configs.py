@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from serve_app.app import _parse_args
-from serve_app.config import AppConfig
+from core.app_config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

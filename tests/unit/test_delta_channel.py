@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from replicas.delta_channel import DeltaChannels, Outbox
-from replicas.messages import ChannelOffer, ChannelTicket, GenerateDelta, RequestError
+from core.messages import ChannelOffer, ChannelTicket, GenerateDelta, RequestError
 from serve_app.channel_client import ChannelClient
 
 REPLICA = "replica-a"

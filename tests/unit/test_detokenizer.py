@@ -10,7 +10,7 @@ TEXT = "Café 🙂 naïve — 東京 says: the END marker, then more text. 🎉�
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir):
-    from replicas.tokenizer import load_tokenizer
+    from core.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_dir)
 

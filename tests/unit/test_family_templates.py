@@ -1,4 +1,4 @@
-"""Each model family's published chat template on its tokenizer (tests/family_tokenizers.py): a three-turn
+"""Each model family's published chat template on its tokenizer (testing/family_tokenizers.py): a three-turn
 conversation renders with every control token one id, and what retention relies on from turn to turn.
 
 Retention (replicas/engine/retention.py, serve_app/render.py):
@@ -15,7 +15,7 @@ think block, Mistral moves the system prompt) still gets a span, and the splice 
 import pytest
 
 from replicas.engine.retention import rest_of_terminator
-from tests.family_tokenizers import FAMILY_TOKENS, family_special_tokens, make_family_tokenizer
+from testing.family_tokenizers import FAMILY_TOKENS, family_special_tokens, make_family_tokenizer
 
 SYSTEM = "You are a terse geography tutor."
 USERS = ["Name a river in Egypt.", "How long is it?", "Which sea does it reach?"]

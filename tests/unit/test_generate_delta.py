@@ -1,6 +1,6 @@
 """GenerateDelta.merged: consecutive deltas of one request as one (AsyncEngine hands a slow reader these)."""
 
-from replicas.messages import GenerateDelta, TokenLogprob
+from core.messages import GenerateDelta, TokenLogprob
 
 
 def entry(token_id: int) -> TokenLogprob:

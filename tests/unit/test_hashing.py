@@ -1,4 +1,4 @@
-"""cache_router.hashing: chained block hashes, route and history keys, rendezvous ranking."""
+"""core.hashing: chained block hashes, route and history keys, rendezvous ranking."""
 
 import os
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_router.hashing import (
+from core.hashing import (
     block_hashes,
     canonical_message,
     extend_history_key,
@@ -60,7 +60,7 @@ def test_prefix_hash_is_exact_length():
 
 
 _SUBPROCESS_SNIPPET = """
-from cache_router.hashing import block_hashes, prefix_hash, route_key, history_key, rendezvous_owner
+from core.hashing import block_hashes, prefix_hash, route_key, history_key, rendezvous_owner
 print(block_hashes(list(range(40)), 16)[-1].hex())
 print(prefix_hash([3, 1, 4]).hex())
 print(route_key("alice", "m", messages=[{"role": "user", "content": "hi"}]))

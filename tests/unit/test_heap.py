@@ -3,7 +3,7 @@
 import gc
 import weakref
 
-from replicas.heap import freeze_startup_heap
+from core.heap import freeze_startup_heap
 
 
 class Node:

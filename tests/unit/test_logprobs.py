@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from replicas.engine.request import Request
-from replicas.messages import SamplingParams
+from replicas.engine.batch_builder import sampling_rows
+from replicas.request.request import Request
+from core.messages import SamplingParams
 from replicas.sampling.logprobs import compute_logprobs
 from replicas.sampling.processors import apply_logits_plan, build_logits_plan
 from replicas.sampling.sampler import Sampler
@@ -47,8 +48,8 @@ def test_sampler_logprobs_are_of_processed_logits_before_temperature():
     req.token_ids += [3]
     plain = Request("p", [1], SamplingParams(temperature=0.0), 16, frozenset({7}))
     logits = torch.tensor([[0.1, 0.4, -0.3, 1.2, 0.0, 0.7, -1.0, 2.0]] * 2)
-    out = Sampler()(logits, [req, plain])
-    processed = apply_logits_plan(logits, build_logits_plan([req, plain], vocab))
+    out = Sampler()(logits, sampling_rows([req, plain]))
+    processed = apply_logits_plan(logits, build_logits_plan(sampling_rows([req, plain]), vocab))
     reference = torch.log_softmax(processed[0], dim=-1)
     entry = out.logprobs[0]
     assert entry.token_id == out.token_ids[0]

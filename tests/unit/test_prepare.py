@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from replicas.models.prepare import COMPLETE_MARKER, default_gguf_path, prepare_model
+from model_files.prepare import COMPLETE_MARKER, default_gguf_path, prepare_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PROGRESS_LABEL = "gguf -> safetensors"  # tqdm's desc in replicas/models/gguf.py
+PROGRESS_LABEL = "gguf -> safetensors"  # tqdm's desc in model_files/gguf.py
 
 
 @pytest.fixture(scope="module")
 def race(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
-    """Two `python -m replicas.models.prepare` started together on one empty cache."""
+    """Two `python -m model_files.prepare` started together on one empty cache."""
     cache_dir = tmp_path_factory.mktemp("cache")
-    cmd = [sys.executable, "-m", "replicas.models.prepare", "default", "--cache-dir", str(cache_dir)]
+    cmd = [sys.executable, "-m", "model_files.prepare", "default", "--cache-dir", str(cache_dir)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     procs = [
         subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -2,7 +2,7 @@
 written (read-only, full). No half-written model is ever returned; the next start completes it; a cache
 that cannot be written is one clear ModelCacheError naming the directory.
 
-A tiny llama GGUF (tests/tiny_gguf.py, SmolLM2's tokenizer) converts in about a second. Read-only and
+A tiny llama GGUF (testing/tiny_gguf.py, SmolLM2's tokenizer) converts in about a second. Read-only and
 full file systems are real tmpfs mounts: as root (CI containers) they are mounted here; without the
 right to mount, the read-only case uses a directory without write permission and the full case skips.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from replicas.models.architectures import check_model_dir
-from replicas.models.prepare import (COMPLETE_MARKER, ModelCacheError, cache_write_failure, cached_dir,
+from model_files.architectures import check_model_dir
+from model_files.prepare import (COMPLETE_MARKER, ModelCacheError, cache_write_failure, cached_dir,
                                      is_complete, prepare_model)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -27,20 +27,20 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # files and the marker (a kill mid-conversion, at a point this test chooses rather than one a timer hits).
 KILLED_CONVERTER = """
 import os, signal, sys
-import replicas.models.gguf as gguf
+import model_files.gguf as gguf
 
 def killed(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
 gguf.save_tokenizer = killed
-from replicas.models.prepare import prepare_model
+from model_files.prepare import prepare_model
 prepare_model(sys.argv[1], cache_dir=sys.argv[2], progress=False)
 """
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    from tests.tiny_gguf import write_tiny_gguf
+    from testing.tiny_gguf import write_tiny_gguf
 
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
     write_tiny_gguf(path, "llama", {})
@@ -115,7 +115,7 @@ def test_a_full_cache_is_a_clear_error_and_leaves_nothing_behind(tiny_gguf, tmp_
 def test_the_cli_says_why_and_exits_2(tiny_gguf, tmp_path):
     blocked = tmp_path / "a-file"
     blocked.write_text("")  # a cache "directory" that is a file: nothing can be written under it
-    result = subprocess.run([sys.executable, "-m", "replicas.models.prepare", str(tiny_gguf), "--cache-dir",
+    result = subprocess.run([sys.executable, "-m", "model_files.prepare", str(tiny_gguf), "--cache-dir",
                              str(blocked), "--no-progress"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(f"error: cannot write the model cache {blocked}: ")

@@ -1,4 +1,4 @@
-"""replicas/priority.py: a process Ray started at nice 15 gets every thread back to nice 0 (where allowed)."""
+"""core/priority.py: a process Ray started at nice 15 gets every thread back to nice 0 (where allowed)."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import pytest
 
 PROBE = """
 import os, threading
-from replicas.priority import run_at_normal_priority
+from core.priority import run_at_normal_priority
 os.nice(7)  # this thread, as Ray's worker_niceness leaves a worker's threads
 ready, done = threading.Event(), threading.Event()
 def idle():
@@ -35,7 +35,7 @@ def test_every_thread_of_a_niced_process_is_reset_to_nice_0():
 
 
 def test_a_process_at_nice_0_is_left_alone():
-    from replicas.priority import run_at_normal_priority
+    from core.priority import run_at_normal_priority
 
     assert os.getpriority(os.PRIO_PROCESS, 0) == 0
     assert run_at_normal_priority("test") == 0

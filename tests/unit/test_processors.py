@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from replicas.engine.request import Request
-from replicas.messages import SamplingParams
+from replicas.engine.batch_builder import sampling_rows
+from replicas.request.request import Request
+from core.messages import SamplingParams
 from replicas.sampling.processors import apply_logits_plan, build_logits_plan
 from replicas.sampling.sampler import Sampler
 
@@ -25,7 +26,7 @@ def request(prompt: list[int], output: list[int] = (), **sampling) -> Request:
 
 def process(requests: list[Request], rows=None) -> torch.Tensor:
     logits = torch.tensor(rows or [ROW] * len(requests))
-    return apply_logits_plan(logits, build_logits_plan(requests, VOCAB))
+    return apply_logits_plan(logits, build_logits_plan(sampling_rows(requests), VOCAB))
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
@@ -50,7 +51,7 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
                    request([0], [1], min_tokens=3, stop_token_ids=[2], ignore_eos=True)])
     assert out[0].tolist() == [2.0, -2.0, -INF, -1.0, 0.5, -INF]
     assert out[1].tolist() == [2.0, -2.0, -INF, -1.0, 0.5, 3.0]  # ignore_eos: the EOS stays
-    assert build_logits_plan([request([0], [1, 1, 1], min_tokens=3, stop_token_ids=[2])], VOCAB) is None
+    assert build_logits_plan(sampling_rows([request([0], [1, 1, 1], min_tokens=3, stop_token_ids=[2])]), VOCAB) is None
 
 
 def test_min_p_masks_tokens_below_min_p_times_the_top_probability():
@@ -70,11 +71,11 @@ def test_all_processors_in_vllm_order():
 
 def test_plan_covers_only_rows_that_ask_and_none_when_none_ask():
     plain = [request([0], [1]), request([2, 3]), request([4], temperature=0.7)]
-    assert build_logits_plan(plain, VOCAB) is None
+    assert build_logits_plan(sampling_rows(plain), VOCAB) is None
     logits = torch.randn(4, VOCAB)
     assert apply_logits_plan(logits, None) is logits  # the plain path: no copy, no work
     mixed = [plain[0], request([0], [1], frequency_penalty=1.0), plain[1], request([0], min_p=0.5)]
-    plan = build_logits_plan(mixed, VOCAB)
+    plan = build_logits_plan(sampling_rows(mixed), VOCAB)
     assert plan.rows.tolist() == [1, 3]
     before = logits.clone()
     out = apply_logits_plan(logits, plan)
@@ -87,12 +88,12 @@ def test_a_discarded_draw_is_not_history():
     req = request([0, 1], [2, 2], repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5, min_tokens=6,
                   temperature=1.0, seed=3)
     logits = torch.tensor([ROW])
-    before = apply_logits_plan(logits, build_logits_plan([req], VOCAB))
-    Sampler()(logits, [req])  # a draw the scheduler never appends
-    after = apply_logits_plan(logits, build_logits_plan([req], VOCAB))
+    before = apply_logits_plan(logits, build_logits_plan(sampling_rows([req]), VOCAB))
+    Sampler()(logits, sampling_rows([req]))  # a draw the scheduler never appends
+    after = apply_logits_plan(logits, build_logits_plan(sampling_rows([req]), VOCAB))
     assert torch.equal(before, after)
     req.token_ids.append(4)  # a kept draw is history
-    kept = apply_logits_plan(logits, build_logits_plan([req], VOCAB))
+    kept = apply_logits_plan(logits, build_logits_plan(sampling_rows([req]), VOCAB))
     assert kept[0, 4].item() == pytest.approx(0.5 / 1.5 - 1.0)
 
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from replicas.messages import RequestError
+from core.messages import RequestError
 from serve_app.errors import validation_error
 from serve_app.openapi import Deployment, refine_requests
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest

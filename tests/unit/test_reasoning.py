@@ -1,4 +1,4 @@
-"""The reasoning split (replicas/reasoning.py, serve_app/reasoning.py): whole replies, the same replies streamed
+"""The reasoning split (core/reasoning.py, serve_app/reasoning.py): whole replies, the same replies streamed
 in every two-piece cut (a tag split at each character) and one character at a time, the prompt's three states,
 the grammar's start, and the retained turn's keys."""
 
@@ -6,7 +6,7 @@ import pytest
 
 from replicas.engine.retention import reply_messages
 from serve_app.reasoning import ReasoningParser, ReasoningSplitter, ThinkState, prompt_state, split, template_thinks
-from tests.family_tokenizers import TEMPLATE_DIR
+from testing.family_tokenizers import TEMPLATE_DIR
 
 OPEN, MODEL, CLOSED = ThinkState.OPEN, ThinkState.MODEL, ThinkState.CLOSED
 

@@ -4,9 +4,9 @@ import pytest
 
 from replicas.cache.block_pool import BlockPool
 from replicas.cache.kv_cache_manager import KVCacheManager
-from replicas.engine.request import Request, RequestStatus
+from replicas.request.request import Request, RequestStatus
 from replicas.engine.scheduler import Scheduler
-from replicas.messages import SamplingParams
+from core.messages import SamplingParams
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=16):

@@ -6,7 +6,7 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from replicas.messages import StructuredSpec
+from core.messages import StructuredSpec
 from serve_app.errors import validation_error
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -94,7 +94,7 @@ def test_a_reply_that_may_reason_gets_an_optional_free_think_block_then_the_cons
     """ThinkState.MODEL (Qwen3): one structural tag; it compiles, and holds the answer after </think>."""
     import xgrammar as xgr
 
-    from replicas.reasoning import ThinkState
+    from core.reasoning import ThinkState
     from serve_app.structured import after_reasoning
 
     assert after_reasoning(spec, None, [7]) is spec and after_reasoning(spec, ThinkState.CLOSED, [7]) is spec

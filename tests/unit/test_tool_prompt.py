@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from serve_app.errors import validation_error
 from serve_app.protocol import ChatCompletionRequest
 from serve_app.tools import choose_parser, hermes_messages
-from tests.family_tokenizers import make_family_tokenizer
+from testing.family_tokenizers import make_family_tokenizer
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -54,8 +54,8 @@ def test_arguments_reach_the_template_as_an_object_and_key_retention_canonically
                   "</function>\n</tool_call>")])
 def test_a_parsed_reply_and_the_clients_echo_of_it_key_alike(parser, reply):
     """What retention needs from the replica: the reply it parsed, canonical, is the message the client sends
-    back (with its own spacing, null content, the call's id), canonical (cache_router.hashing)."""
-    from cache_router.hashing import canonical_message
+    back (with its own spacing, null content, the call's id), canonical (core.hashing)."""
+    from core.hashing import canonical_message
     from serve_app.tools import ToolCallReader
 
     content, calls = ToolCallReader(parser, [TOOL]).parse(reply)

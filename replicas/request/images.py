@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replicas.messages import ImageInput, RequestError
+from core.messages import ImageInput, RequestError
 from replicas.models.mrope import ImageSpan
 
 IMAGE_VALUE_RANGE = 1 << 40  # image token values: vocab_size + (digest mod this)

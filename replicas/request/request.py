@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from replicas.messages import RequestError, SamplingParams
+from core.messages import RequestError, SamplingParams
 from replicas.sampling.logprobs import PositionLogprobs
 
 if TYPE_CHECKING:
-    from replicas.engine.images import PromptImage
+    from replicas.request.images import PromptImage
     from replicas.sampling.grammar import GrammarState
 
 
@@ -62,7 +62,7 @@ class Request:
     collected_prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
     grammar: "GrammarState | None" = None  # structured output: its matcher (replicas/sampling/grammar.py)
     error: RequestError | None = None  # why the request failed mid-generation (its stream gets this error)
-    images: "list[PromptImage]" = field(default_factory=list)  # its images' spans (replicas/engine/images.py)
+    images: "list[PromptImage]" = field(default_factory=list)  # its images' spans (replicas/request/images.py)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

@@ -17,7 +17,7 @@ Streaming: id and name once '<function=NAME>' is read, then each parameter when 
 
 import json
 
-from replicas.tool_calls.stream import DONE, INVALID, WAIT, ToolCallStream, after_call, match_literal, skip_ws
+from core.tool_calls.stream import DONE, INVALID, WAIT, ToolCallStream, after_call, match_literal, skip_ws
 
 FUNCTION, PARAMETER = "<function=", "<parameter="
 PARAMETER_END, FUNCTION_END = "</parameter>", "</function>"

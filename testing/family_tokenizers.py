@@ -1,5 +1,5 @@
 """SmolLM2's tokenizer dressed as another model family: that family's special tokens, BOS/EOS/PAD and its
-published chat template (tests/data/chat_templates/<family>.jinja; SOURCES.md says where each came from).
+published chat template (testing/data/chat_templates/<family>.jinja; SOURCES.md says where each came from).
 
 The BPE underneath stays SmolLM2's, so ordinary text tokenizes as SmolLM2 does (its GPT-2 pre-tokenizer, not
 the family's); what is the family's is every control token the template writes, one id each, and the template.

@@ -15,7 +15,7 @@ with a `RequestError` (500) after the deltas so far.
 
 from dataclasses import dataclass, field
 
-from replicas.tool_calls.reader import ToolCallReader
+from core.tool_calls.reader import ToolCallReader
 
 
 @dataclass(slots=True)
@@ -104,7 +104,7 @@ class GenerateRequest:
     sampling: SamplingParams
     # Who asked (API key digest, else `user`, else ""): namespaces per-caller state.
     caller: str = ""
-    # Routing hint: the conversation's key (cache_router.hashing.route_key).
+    # Routing hint: the conversation's key (core.hashing.route_key).
     route_key: str | None = None
     # Retained conversations (chat only): prompt_token_ids is the whole render; when the replica holds
     # ids for `history_key`, the prompt becomes those ids + prompt_token_ids[new_turn_span[0]:new_turn_span[1]].
@@ -114,13 +114,13 @@ class GenerateRequest:
     conversation_key: str | None = None
     turn_terminator_ids: list[int] = field(default_factory=list)  # what the template writes after a reply
     retention: str = "off"  # the ingress's verdict: "off", "first turn", "span", "fallback: <why>"
-    # Chat replies split at <think>…</think>: the ThinkState the reply starts in (replicas/reasoning.py), so the
+    # Chat replies split at <think>…</think>: the ThinkState the reply starts in (core/reasoning.py), so the
     # retained turn is keyed by the parts the client received; None: not split.
     reasoning: str | None = None
     # Chat requests with tools (tool_choice not "none"): how the ingress reads the reply for tool calls
-    # (replicas/tool_calls/reader.py), so the retained turn is keyed by the calls the client received.
+    # (core/tool_calls/reader.py), so the retained turn is keyed by the calls the client received.
     tool_reader: ToolCallReader | None = None
-    # Chat images, in the order of their placeholders (replicas/engine/images.py expands them).
+    # Chat images, in the order of their placeholders (replicas/request/images.py expands them).
     images: list[ImageInput] = field(default_factory=list)
     # Recurrent checkpoints (a later step).
     checkpoint_positions: list[int] = field(default_factory=list)

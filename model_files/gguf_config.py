@@ -14,8 +14,8 @@ import torch
 from gguf.quants import dequantize
 from transformers import PretrainedConfig
 
-from replicas.models.gguf_families import ROPE_FACTORS, ROPE_FREQS, family_of, has_experts
-from replicas.models.gguf_rope import longrope_parameters, rope_parameters
+from model_files.gguf_families import ROPE_FACTORS, ROPE_FREQS, family_of, has_experts
+from model_files.gguf_rope import longrope_parameters, rope_parameters
 
 GEMMA3_SWA_PATTERN = 6  # llama.cpp's default when the file has no sliding_window_pattern (gemma3.cpp)
 GEMMA3_SWA_ROPE_BASE = 10000.0  # llama_hparams.rope_freq_base_train_swa's default

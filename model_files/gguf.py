@@ -26,9 +26,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from replicas.models.gguf_config import read_config
-from replicas.models.gguf_families import OPTIONAL_TENSORS, Family, family_of, hf_names
-from replicas.models.gguf_tokenizer import save_tokenizer
+from model_files.gguf_config import read_config
+from model_files.gguf_families import OPTIONAL_TENSORS, Family, family_of, hf_names
+from model_files.gguf_tokenizer import save_tokenizer
 
 # What llama.cpp's Q4_K_M / Q5_K_M / Q6_K / Q8_0 / F16 files hold. Q5_0 / Q5_1 are in there too:
 # llama.cpp falls back to them from Q4_K / Q5_K for rows that are not whole 256-wide super-blocks

@@ -1,6 +1,6 @@
 """A tiny random-weight Qwen3.5 text checkpoint (Gated DeltaNet + gated full attention) with SmolLM2's tokenizer.
 
-As in tests/tiny_models.py the output head is scaled so greedy choices are decisive. The zero-centred norms
+As in testing/tiny_models.py the output head is scaled so greedy choices are decisive. The zero-centred norms
 (checkpoints store weight ~ 0, the layer uses 1 + weight), the gated norms and dt_bias start at constants in
 transformers' init; they get noise here so a wrong convention cannot pass the parity tests.
 """

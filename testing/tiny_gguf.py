@@ -110,7 +110,7 @@ def smollm2_tokenizer() -> dict:
     transformers' GGUF reader: GGUFReader takes seconds over 49k tokens and 49k merges."""
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
-    from replicas.models.prepare import default_gguf_path
+    from model_files.prepare import default_gguf_path
 
     keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
     metadata, _ = read_gguf_metadata(str(default_gguf_path()), keys)

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from replicas.config import EngineConfig, MigrationConfig
+from core.engine_config import EngineConfig, MigrationConfig
 
 
 class IngressConfig(BaseModel):

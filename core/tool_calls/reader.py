@@ -7,9 +7,9 @@ Qwen3, Hermes; and a template without tool support, which gets serve_app/tools/p
 
 from dataclasses import dataclass
 
-from replicas.tool_calls.hermes import HermesToolStream
-from replicas.tool_calls.qwen3_xml import Qwen3XmlToolStream
-from replicas.tool_calls.stream import ToolCallStream
+from core.tool_calls.hermes import HermesToolStream
+from core.tool_calls.qwen3_xml import Qwen3XmlToolStream
+from core.tool_calls.stream import ToolCallStream
 
 PARSERS: dict[str, type[ToolCallStream]] = {"hermes": HermesToolStream, "qwen3_xml": Qwen3XmlToolStream}
 

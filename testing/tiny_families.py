@@ -2,10 +2,10 @@
 
 Built from the family's own `transformers` config class (small sizes, 2-4 layers), saved with save_pretrained
 (so the checkpoint names are the released ones: per-expert MoE weights, Phi-3's fused projections, Gemma 3's
-multimodal nesting), with the family's tokenizer (tests/family_tokenizers.py: SmolLM2's vocabulary plus the
+multimodal nesting), with the family's tokenizer (testing/family_tokenizers.py: SmolLM2's vocabulary plus the
 family's special tokens, its eos, its published chat template).
 
-As in tests/tiny_models.py the output head is scaled so greedy choices are decisive; norms that start at a
+As in testing/tiny_models.py the output head is scaled so greedy choices are decisive; norms that start at a
 constant get noise, so a wrong convention cannot pass the parity tests.
 """
 
@@ -71,7 +71,7 @@ def make_tiny_family(family: str, out_dir: Path, base_tokenizer_dir: Path, seed:
     import transformers
     from transformers import AutoTokenizer
 
-    from tests.family_tokenizers import make_family_tokenizer
+    from testing.family_tokenizers import make_family_tokenizer
 
     if (out_dir / "model.safetensors").exists():
         return out_dir
@@ -92,7 +92,7 @@ def make_tiny_gemma3_multimodal(out_dir: Path, base_tokenizer_dir: Path, seed: i
     checkpoints ship: we load its language model and skip the vision weights."""
     from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
 
-    from tests.family_tokenizers import make_family_tokenizer
+    from testing.family_tokenizers import make_family_tokenizer
 
     if (out_dir / "model.safetensors").exists():
         return out_dir
@@ -117,7 +117,7 @@ def _stop_tokens(tokenizer_family: str, tokenizer, out_dir: Path) -> None:
     <|end_of_text|>, <|eom_id|>; Gemma 3's <end_of_turn> and <eos>)."""
     from transformers import GenerationConfig
 
-    from tests.family_tokenizers import FAMILY_TOKENS
+    from testing.family_tokenizers import FAMILY_TOKENS
 
     names = [FAMILY_TOKENS[tokenizer_family]["eos"], *FAMILY_TOKENS[tokenizer_family]["other_eos"]]
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.convert_tokens_to_ids(names),

@@ -1,10 +1,10 @@
 """A tiny random-weight Qwen3.5 vision-language checkpoint (Qwen3_5ForConditionalGeneration): the hybrid text
-model of tests/tiny_hybrid.py with 2 linear + 2 full attention layers, and a 2-block vision tower.
+model of testing/tiny_hybrid.py with 2 linear + 2 full attention layers, and a 2-block vision tower.
 
 Its preprocessor_config.json keeps images small (at most 64 merged tokens). Without a tokenizer the vocab is
 512 and the vision tokens take fixed ids below it (TINY_VL_TOKEN_IDS); given a tokenizer directory, the four
 Qwen vision tokens are added to that tokenizer as special tokens and the ids are theirs (read them back from
-config.json). As in tests/tiny_hybrid.py, norms get noise so a wrong convention cannot pass parity tests.
+config.json). As in testing/tiny_hybrid.py, norms get noise so a wrong convention cannot pass parity tests.
 """
 
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.tiny_hybrid import HEAD_SCALE, NORM_NOISE, TINY_QWEN3_5
+from testing.tiny_hybrid import HEAD_SCALE, NORM_NOISE, TINY_QWEN3_5
 
 VOCAB_SIZE = 512
 TINY_VL_TOKEN_IDS = dict(vision_start_token_id=500, vision_end_token_id=501, image_token_id=502,
