@@ -41,7 +41,7 @@ test-avx2:
 	TETHER_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(MAKE) test
 
 bench: install-test
-	$(PY) bench/throughput.py
+	$(PY) -m bench.engine.throughput
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

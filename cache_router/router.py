@@ -31,10 +31,10 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, ReplicaID, RunningReplica
 
-from core.hashing import block_hashes, short_hash
 from cache_router.knowledge import CacheKnowledge
 from cache_router.metrics import RouterMetrics
 from cache_router.policy import Candidate, PolicyConfig, choose
+from core.hashing import block_hashes, short_hash
 
 DEFAULT_IMBALANCE_THRESHOLD = 8
 DEFAULT_MAX_WAIT_S = 5.0
@@ -188,7 +188,7 @@ class ConversationRouter(RequestRouter):
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
         """Give `replica` to the pending request it was chosen for (matched by identity).
 
-        PRIVATE Ray API (ray/serve/_private/request_router/request_router.py, 2.60):
+        PRIVATE Ray API (python/ray/serve/_private/request_router/request_router.py, 2.60):
         the base matches by `internal_request_id`, which all handle calls made while
         serving one request share, and indexes only the first of them; the other calls
         of an `asyncio.gather` fan-out are then never fulfilled and hang forever. Each

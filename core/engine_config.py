@@ -58,8 +58,10 @@ class EngineConfig(BaseModel):
     encoder_cache_bytes: int = Field(256 << 20, ge=0, description="Images: bytes of vision-tower outputs kept by "
                                      "image identity, so a split prefill, a preemption or the same image again "
                                      "never re-runs the tower (a hit on the prefix cache never runs it at all).")
-    int4_decode: bool = Field(True, description="CPU, bfloat16: linears whose checkpoint weights are 4-bit groups "
-                                                "(GGUF Q4_0/Q4_1) run batches of up to 8 rows on the int4 groups.")
+    int4_decode: bool = Field(True, description="CPU: linears whose checkpoint weights are 4-bit groups (GGUF "
+                                                "Q4_0 / Q4_1) run decode batches on those groups, exactly: the native "
+                                                "kernel up to 4 rows in bfloat16 and 8 in float32, else torch's int4 "
+                                                "kernel in bfloat16 up to 2 rows (replicas/kernels/cpu_linear/int4.py).")
 
     @model_validator(mode="after")
     def _budget_covers_a_decode_batch(self):

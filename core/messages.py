@@ -82,7 +82,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        # vLLM's _SAMPLING_EPS: float32 logits / 1e-45 are inf, and softmax(inf) is NaN (found by bench/fuzz.py)
+        # vLLM's _SAMPLING_EPS: float32 logits / 1e-45 are inf, and softmax(inf) is NaN (found by
+        # bench/reliability/fuzz.py)
         return self.temperature < 1e-5
 
 

@@ -2,7 +2,7 @@
 
 Ray starts every worker process at nice 15 (its `worker_niceness`), so a replica's engine threads and the
 Ingress's HTTP thread lose the CPU to any nice-0 process on the node (a client, the raylet, a log shipper):
-on 2 cores, measured with bench/peers.sh, the same engine prefilled ~12% slower in a nice-15 replica than
+on 2 cores, measured with bench/peers/peers.sh, the same engine prefilled ~12% slower in a nice-15 replica than
 in a nice-0 process, and every OpenMP barrier waited on a preempted thread. The serving path then runs
 at nice 0, as the engine does in-process; Ray's own control plane is unaffected.
 

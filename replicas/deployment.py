@@ -19,21 +19,20 @@ import psutil
 
 from ray import serve
 
-from core.hashing import short_hash
-
-from replicas.cache.host_tier import tier_stats
 from core.engine_config import EngineConfig, MigrationConfig
+from core.hashing import short_hash
+from core.heap import freeze_startup_heap
+from core.messages import ChannelTicket, GenerateRequest, RequestError
+from core.priority import run_at_normal_priority
+from model_files.architectures import check_model_dir
+from model_files.prepare import prepare_model
+from replicas.cache.host_tier import tier_stats
+from replicas.delta_channel import DeltaChannels, Outbox
 from replicas.device import resolve_threads
 from replicas.engine.async_engine import AsyncEngine
 from replicas.engine.engine import Engine
-from core.heap import freeze_startup_heap
-from replicas.delta_channel import DeltaChannels, Outbox
-from core.messages import ChannelTicket, GenerateRequest, RequestError
 from replicas.metrics import ReplicaMetrics
 from replicas.migrator import Migrator
-from model_files.architectures import check_model_dir
-from model_files.prepare import prepare_model
-from core.priority import run_at_normal_priority
 
 logger = logging.getLogger("ray.serve")
 

@@ -13,11 +13,11 @@ import asyncio
 import logging
 import time
 
-from replicas.cache.conversation_state import StateRefused
 from core.engine_config import MigrationConfig
+from core.messages import GenerateRequest
+from replicas.cache.conversation_state import StateRefused
 from replicas.engine.async_engine import AsyncEngine
 from replicas.engine.migration import export_states, import_state
-from core.messages import GenerateRequest
 
 logger = logging.getLogger("ray.serve")
 

@@ -22,14 +22,14 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from cache_router.router import ConversationRouter
-from replicas.deployment import ModelReplica
-from replicas.depot import StateDepot
+from core.app_config import AppConfig
 from core.heap import freeze_startup_heap
+from core.priority import run_at_normal_priority
 from model_files.architectures import check_model_dir
 from model_files.prepare import prepare_model
-from core.priority import run_at_normal_priority
+from replicas.deployment import ModelReplica
+from replicas.depot import StateDepot
 from serve_app.backend import HandleBackend
-from core.app_config import AppConfig
 from serve_app.front_door import FrontDoor
 from serve_app.routes import OpenAIServer, make_api
 
@@ -97,8 +97,8 @@ def build_app(args: dict) -> serve.Application:
 
 def build_app_with(args: dict, request_router: RequestRouterConfig | None = None,
                    replica_class: type = ModelReplica) -> serve.Application:
-    """`request_router` replaces the ConversationRouter (bench/routing.py compares Ray's own routers);
-    `replica_class` the ModelReplica (bench/serve_path.py measures the path with a model-less one)."""
+    """`request_router` replaces the ConversationRouter (bench/serve_path/routing.py compares Ray's own routers);
+    `replica_class` the ModelReplica (bench/serve_path/serve_path.py measures the path with a model-less one)."""
     config = AppConfig(**_parse_args(args))  # validated here, once, not on a replica
     engine = config.engine
     if os.path.exists(engine.model):
@@ -113,7 +113,8 @@ def build_app_with(args: dict, request_router: RequestRouterConfig | None = None
         ray_actor_options={"num_cpus": config.replica_num_cpus},
         max_constructor_retry_count=config.replica_max_constructor_retry_count,
         # check_health only reads whether the step thread lives: every 2 s (Serve's default 10 s left a replica
-        # whose engine had died taking its conversations' requests, each a 503, for ~34 s: bench/drills.py).
+        # whose engine had died taking its conversations' requests, each a 503, for ~34 s:
+        # bench/reliability/drills.py).
         health_check_period_s=2,
         request_router_config=request_router or router_config(config),
         # A leaving replica drains its requests, then exports its conversations (replicas/depot.py); Serve

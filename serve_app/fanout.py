@@ -21,8 +21,8 @@ from typing import AsyncIterator
 
 from fastapi.responses import JSONResponse
 
-from core.messages import GenerateDelta, GenerateRequest, RequestError, as_request_error
 from core.app_config import IngressConfig
+from core.messages import GenerateDelta, GenerateRequest, RequestError, as_request_error
 from serve_app.limits import BoundedStreamingResponse
 from serve_app.metrics import IngressMetrics, TokenTimer
 from serve_app.responses import ChoiceResult, ResponseFormat

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import aiohttp
 from PIL import Image
 
-from core.messages import ImageInput, RequestError
 from core.app_config import IngressConfig
+from core.messages import ImageInput, RequestError
 
 FORMATS = ("PNG", "JPEG", "WEBP")  # PIL format names
 DETAILS = (None, "auto", "low", "high")

@@ -16,8 +16,8 @@ import logging
 
 from fastapi.responses import StreamingResponse
 
-from core.messages import RequestError
 from core.app_config import IngressConfig
+from core.messages import RequestError
 from serve_app.protocol import ChatCompletionRequest, SamplingFields
 
 logger = logging.getLogger(__name__)

@@ -3,9 +3,9 @@ uvicorn on a thread. For tests, benchmarks and quick local runs; `serve run` is 
 
 import socket
 
+from core.app_config import AppConfig
 from replicas.deployment import ModelReplica
 from serve_app.backend import LocalBackend
-from core.app_config import AppConfig
 from serve_app.front_door import FrontDoor
 from serve_app.routes import OpenAIServer, make_api
 

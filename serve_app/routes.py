@@ -13,24 +13,24 @@ import uuid
 
 from fastapi import Depends, FastAPI, Request
 
-from core.hashing import route_key
+from core.app_config import AppConfig
 from core.engine_config import read_max_position_embeddings
+from core.hashing import route_key
 from core.messages import GenerateRequest, ImageInput, RequestError, StructuredSpec, as_request_error
 from model_files.prepare import prepare_model
 from serve_app.backend import DEPLOYMENT_FAILED
-from core.app_config import AppConfig
+from serve_app.errors import error_response, install_error_handlers
 from serve_app.fanout import REPLICA_HEADER, FanOut
 from serve_app.images import ImageLimits, load_images, mark_images
 from serve_app.limits import BodyLimit, check_generated_tokens, check_size_limits
 from serve_app.metrics import IngressMetrics, install_metrics
 from serve_app.openapi import install_openapi
-from serve_app.errors import error_response, install_error_handlers
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                 TokenizeRequest)
 from serve_app.reasoning import ReasoningParser, ThinkState
-from serve_app.structured import after_reasoning
 from serve_app.render import ChatRender, Renderer
 from serve_app.responses import ResponseFormat
+from serve_app.structured import after_reasoning
 from serve_app.tools import ToolCallReader, choose_parser, tool_call_structural_tag
 
 __all__ = ["OpenAIServer", "make_api", "REPLICA_HEADER", "VERSION"]
@@ -192,7 +192,7 @@ class OpenAIServer:
 
     @property
     def tool_parser(self) -> str:
-        """The deployment's tool-call format (serve_app/tools/reader.py), read off the template at first use."""
+        """The deployment's tool-call format (core/tool_calls/reader.py), read off the template at first use."""
         if self._tool_parser is None:
             template = getattr(self.renderer.tokenizer, "chat_template", None)
             self._tool_parser = choose_parser(self.config.ingress.tool_parser, template,

@@ -1,4 +1,4 @@
-"""A ModelReplica whose engine breaks on cue: the engine-thread-raises drill (bench/drills.py,
+"""A ModelReplica whose engine breaks on cue: the engine-thread-raises drill (bench/reliability/drills.py,
 tests/ray/test_drills.py). A request asking for `fault_max_tokens` tokens makes the replica's engine step
 raise once it has streamed `arm_after_tokens`: an engine bug, on the step thread, in a real replica."""
 

@@ -34,7 +34,8 @@ def make_tiny_qwen3_5_vl(path: Path, text_dir_for_tokenizer: Path | None = None,
     """Writes config.json, model.safetensors (`model.visual.*`, `model.language_model.*`, `lm_head.*`),
     preprocessor_config.json and, with text_dir_for_tokenizer, the tokenizer files to path (with
     `chat_template` as its template, if given); returns path. `text_overrides` change the text model (a
-    bigger one for bench/multiturn.py --images; its rope_parameters must carry an mrope_section that fits)."""
+    bigger one for bench/serve_path/multiturn.py --images; its rope_parameters must carry an mrope_section that
+    fits)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     path = Path(path)

@@ -15,7 +15,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 if not torch.cuda.is_available():
-    # Triton kernels run under Triton's interpreter on CPU tensors (tests/parity/test_triton_*.py). Set here,
+    # Triton kernels run under Triton's interpreter on CPU tensors (tests/kernels/: paged attention, sampling). Set here,
     # before any test module imports triton: @triton.jit reads it when a kernel is defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

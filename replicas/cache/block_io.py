@@ -6,7 +6,7 @@
 `read_blocks` copies (the pool's blocks may be reused right after); `write_blocks` overwrites the
 pool's blocks with `blocks`. `insert_cached` puts blocks whose chained hashes are known into the pool as
 cached, unreferenced blocks (found by `BlockPool.find`, evictable by LRU), as if a request had computed
-and freed them: an import (replicas/cache/migration.py) and a host-tier restore go through it.
+and freed them: an import (replicas/engine/migration.py) and a host-tier restore go through it.
 """
 
 import torch

@@ -21,7 +21,7 @@ or more is not admitted. A checkpoint is worth what the last full block of its p
 when its chain's tail would). Why not LRU: conversations revisited round-robin by more than pool + tier
 hold evict one another in a cycle, and LRU keeps exactly the blocks needed last. By use, a conversation's
 head blocks, part of every later turn's prompt, outrank its newest ones: the tier keeps a stable set of
-prefixes, and a chain loses its tail before its head (bench/host_tier.py: with a tier of the pool's
+prefixes, and a chain loses its tail before its head (bench/engine/host_tier.py: with a tier of the pool's
 bytes, 0.425 of prompt tokens from cache against LRU's 0.253; docs/benchmarks.md).
 """
 

@@ -5,7 +5,7 @@
     packed   top = deflate(plane itemsize - 1)  (sign + high exponent bits: ~2.9 bits of entropy per byte)
              rest = planes 0 .. itemsize - 2, raw   (mantissa bytes: ~8 bits per byte, they do not compress)
 
-Measured on SmolLM2-135M KV (bench/host_tier.py, docs/benchmarks.md): 1.45x for bfloat16, 1.19x for float32.
+Measured on SmolLM2-135M KV (bench/engine/host_tier.py, docs/benchmarks.md): 1.45x for bfloat16, 1.19x for float32.
 Deflate runs Huffman-only (no LZ77 matching): the top plane has few repeats to find, only a skewed byte
 distribution, and Huffman-only packs it better than level 1 does (1.46x vs 1.38x overall) and 30% faster. `unpack(pack(x))` is
 bit-exact (tests/unit/test_host_tier.py): the tier never rounds, so a restored block is the block.

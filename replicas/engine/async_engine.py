@@ -19,7 +19,7 @@ parallel torch op of the replica runs on that one thread. OpenMP (libgomp) keeps
 a worker pool per thread that runs parallel regions; once the pools' threads
 outnumber the cores, its workers stop spinning between regions and each op pays
 a wake-up (measured here, 2 cores, with the model loaded on one thread and stepped
-on another: a bf16 decode matmul 110 vs 51 us; one stream 14 vs 30 tok/s, bench/engine_stream.py).
+on another: a bf16 decode matmul 110 vs 51 us; one stream 14 vs 30 tok/s, bench/engine/engine_stream.py).
 """
 
 import asyncio
@@ -32,8 +32,8 @@ from typing import AsyncIterator, Callable, TypeVar
 
 import torch
 
-from replicas.engine.engine import Engine
 from core.messages import GenerateDelta, GenerateRequest, RequestError
+from replicas.engine.engine import Engine
 
 T = TypeVar("T")
 

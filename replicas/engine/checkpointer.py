@@ -22,8 +22,8 @@ import torch
 from core.hashing import prefix_hash
 from replicas.cache.checkpoints import Checkpoint, CheckpointPool
 from replicas.cache.kv_cache_manager import KVCacheManager
-from replicas.request.request import Request, RequestStatus
 from replicas.models.gated_deltanet import LinearLayerState
+from replicas.request.request import Request, RequestStatus
 
 
 class Checkpointer:

@@ -13,28 +13,28 @@ from dataclasses import dataclass
 
 import torch
 
+from core.engine_config import EngineConfig
+from core.messages import GenerateDelta, GenerateRequest, RequestError
+from core.tokenizer import eos_token_ids, load_tokenizer
 from replicas.cache.block_pool import BlockPool
 from replicas.cache.checkpoints import CheckpointPool
 from replicas.cache.host_tier import HostTier
 from replicas.cache.kv_cache_manager import KVCacheManager
 from replicas.cache.state_slots import StateSlotPool
-from core.engine_config import EngineConfig
 from replicas.device import resolve_device, resolve_dtype
 from replicas.engine.checkpointer import Checkpointer
+from replicas.engine.migration import MigrationStats, engine_layout
 from replicas.engine.model_runner import ModelRunner, ModelRunnerOutput
 from replicas.engine.output import RequestOutput, TokenTexts, reasoning_end_token_id
-from replicas.request.request import Request, RequestStatus
 from replicas.engine.retention import Retention
 from replicas.engine.scheduler import Scheduler
-from core.messages import GenerateDelta, GenerateRequest, RequestError
+from replicas.engine.vision_encoder import load_vision_encoder
 from replicas.models.gated_deltanet import allocate_linear_states
 from replicas.models.loader import load_model
 from replicas.request.images import expand_images
-from replicas.engine.migration import MigrationStats, engine_layout
-from replicas.engine.vision_encoder import load_vision_encoder
+from replicas.request.request import Request, RequestStatus
 from replicas.sampling.grammar import GrammarManager
 from replicas.sampling.logprobs import PositionLogprobs
-from core.tokenizer import eos_token_ids, load_tokenizer
 
 
 @dataclass

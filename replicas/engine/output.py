@@ -13,9 +13,9 @@ back (the EOS / stop token id that ends the request, tokens a stop string cut). 
 
 from collections import deque
 
+from core.messages import GenerateDelta, TokenLogprob
 from replicas.engine.detokenizer import IncrementalDetokenizer
 from replicas.request.request import Request, RequestStatus
-from core.messages import GenerateDelta, TokenLogprob
 from replicas.sampling.logprobs import PositionLogprobs
 
 REASONING_END_TAG = "</think>"

@@ -10,10 +10,10 @@ back to the whole render B and says which path it took.
 """
 
 from core.hashing import canonical_message, extend_history_key
-from replicas.cache.retained import RetainedStore
 from core.messages import GenerateRequest
 from core.reasoning import ThinkState, split_reasoning
 from core.tool_calls.reader import ToolCallReader
+from replicas.cache.retained import RetainedStore
 
 
 class Retention:

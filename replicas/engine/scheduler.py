@@ -13,10 +13,10 @@ output is unchanged). A request is never scheduled without its blocks.
 from collections import deque
 from dataclasses import dataclass
 
+from core.messages import RequestError
 from replicas.cache.kv_cache_manager import KVCacheManager
 from replicas.cache.state_slots import StateSlotPool
 from replicas.request.request import Request, RequestStatus
-from core.messages import RequestError
 
 
 @dataclass(slots=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from replicas.request.images import PromptImage
 from core.messages import ImageInput
+from replicas.request.images import PromptImage
 
 MAX_PROCESSED_IMAGES = 64  # decoded and resized images kept by digest, for their requests' admission
 

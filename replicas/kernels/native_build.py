@@ -3,11 +3,13 @@ torch.utils.cpp_extension, once per host.
 
     load_native(name, sources) -> module | None
 
-A build lands in <cache_dir>/native/<name>-<ISA level>-torch<version>-<digest>, where the digest (12 hex of
-SHA-1) covers the sources' paths and bytes and the compiler flags, so an edited source, another ISA cap
-(TETHER_CPU_ISA, replicas/cpu_isa.py) or another torch builds afresh and never loads a stale module. A
-file lock serialises processes that start at once on one host; the first builds (tens of seconds, logged
-once with its time), the others wait and load. Nothing builds at import time: only load_native does.
+Every source compiles with INCLUDE_DIR (replicas/kernels/include: tether_vec.h, the vector layer the kernels
+share) on its include path. A build lands in <cache_dir>/native/<name>-<ISA level>-torch<version>-<digest>, where
+the digest (12 hex of SHA-1) covers the sources' paths and bytes, the shared headers' bytes and the compiler
+flags, so an edited source or header, another ISA cap (TETHER_CPU_ISA, replicas/cpu_isa.py) or another torch
+builds afresh and never loads a stale module. A file lock serialises processes that start at once on one host;
+the first builds (tens of seconds, logged once with its time), the others wait and load. Nothing builds at
+import time: only load_native does.
 
 None (and one warning with the reason) where the op cannot be had: TETHER_NATIVE=0, a baseline ISA (the
 flags need AVX2 + FMA), no C++ compiler or ninja, or a failed build. Callers then keep their PyTorch path.
@@ -26,6 +28,7 @@ from core.env import cache_dir, native_disabled
 from replicas.cpu_isa import compiler_flags, cpu_isa
 
 logger = logging.getLogger("ray.serve")  # Serve configures it in replicas: these lines reach the replica log
+INCLUDE_DIR = Path(__file__).with_name("include")  # headers shared by every native op
 
 
 def load_native(name: str, sources: list[Path], is_python_module: bool = True) -> ModuleType | str | None:
@@ -54,8 +57,8 @@ def _load_native(name: str, sources: tuple[Path, ...], is_python_module: bool) -
         # take turns rebuilding one directory).
         digest.update(str(source.resolve()).encode())
         digest.update(source.read_bytes())
-        for header in sorted(source.parent.glob("*.h")):  # headers beside a source are part of it
-            digest.update(header.read_bytes())
+    for header in sorted(INCLUDE_DIR.glob("*.h")):  # the shared headers are part of every op
+        digest.update(header.read_bytes())
     digest.update(" ".join(flags).encode())
     tag = f"{name}-{cpu_isa()}-torch{torch.__version__}-{digest.hexdigest()[:12]}"
     build_dir = cache_dir() / "native" / tag
@@ -67,8 +70,8 @@ def _load_native(name: str, sources: tuple[Path, ...], is_python_module: bool) -
             if builds:
                 logger.info("building native op %s for ISA %s (once per host, into %s)", name, cpu_isa(), build_dir)
             module = cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=flags,
-                                        build_directory=str(build_dir), verbose=False,
-                                        is_python_module=is_python_module)
+                                        extra_include_paths=[str(INCLUDE_DIR)], build_directory=str(build_dir),
+                                        verbose=False, is_python_module=is_python_module)
             if not is_python_module:
                 module = str(build_dir / f"{name}.so")
             if builds:

@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from model_files.architectures import check_architecture
 from replicas.cpu_isa import cpu_isa
 from replicas.kernels.cpu_linear import PackedLinear, can_pack, pack_linears
-from replicas.kernels.cpu_linear.int8_native import Int8Linear
 from replicas.kernels.cpu_linear.int4 import find_four_bit_linears, int4_backend, use_int4_linears
+from replicas.kernels.cpu_linear.int8_native import Int8Linear
 from replicas.kernels.paged_attention import can_use_native_attention
-from model_files.architectures import check_architecture
 from replicas.models.gemma3 import Gemma3ForCausalLM
 from replicas.models.layers import MergedLinear, use_native_ops
 from replicas.models.llama import LlamaForCausalLM
@@ -164,7 +164,7 @@ def _float32_head(model: torch.nn.Module, weight: torch.Tensor) -> None:
     """Keeps the LM head in float32 (an untied copy of the checkpoint's `weight`, not of its bf16 rounding)
     when the body is narrower: logits of 10-30 rounded to bfloat16 move by up to 0.125, enough to swap
     close tokens. It costs the head's size again in
-    memory and ~3 ms per decode step over a bf16 head on 2 cores (bench/cpu_linear.py; docs/benchmarks.md
+    memory and ~3 ms per decode step over a bf16 head on 2 cores (bench/kernels/cpu_linear.py; docs/benchmarks.md
     has a cheaper variant that was tried and not kept)."""
     head = model.lm_head
     if head.weight.dtype == torch.float32:

@@ -22,16 +22,12 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
 import xgrammar as xgr
 
 from core.messages import STRUCTURED_KINDS, RequestError, StructuredSpec
 from replicas.kernels import fused_cpu
-
-if TYPE_CHECKING:
-    from replicas.sampling.batch import SamplingRow
 
 # Compiled grammars kept (LRU, by spec). A big JSON schema's token-mask cache is a few MB at most.
 MAX_CACHED_GRAMMARS = 256
@@ -173,9 +169,10 @@ class GrammarManager:
     def release(self, state: GrammarState) -> None:
         self.num_live -= 1
 
-    def apply(self, logits: torch.Tensor, batch: "list[SamplingRow]") -> list[int]:
+    def apply(self, logits: torch.Tensor, batch: list) -> list[int]:
         """Masks, in place, the rows whose grammar is active; returns them. logits: [R, V] float32, row r is
-        batch[r]'s (R <= max_num_seqs: each running sequence samples at most once a step)."""
+        batch[r]'s, a SamplingRow (batch.py; R <= max_num_seqs: each running sequence samples at most once a
+        step)."""
         rows = [r for r, row in enumerate(batch) if row.grammar is not None and row.grammar.is_active]
         if not rows:
             return rows

@@ -3,8 +3,8 @@
 import pytest
 
 from core.engine_config import EngineConfig
-from replicas.engine.engine import Engine
 from core.messages import GenerateRequest, SamplingParams
+from replicas.engine.engine import Engine
 
 
 @pytest.fixture(scope="module")

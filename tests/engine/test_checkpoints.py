@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from core.engine_config import EngineConfig
-from replicas.engine.engine import Engine
 from core.messages import GenerateRequest, SamplingParams
+from replicas.engine.engine import Engine
 from tests.engine.conftest import greedy, prompts
 
 BLOCK = 4

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from core.engine_config import EngineConfig
-from replicas.engine.async_engine import AsyncEngine, is_delivery_due
 from core.messages import RequestError
-from replicas.engine.engine import Engine
 from core.messages import GenerateDelta
+from replicas.engine.async_engine import AsyncEngine, is_delivery_due
+from replicas.engine.engine import Engine
 from replicas.kernels.cpu_linear import PackedLinear, can_pack
 from tests.engine.conftest import greedy, prompts, run_all
 

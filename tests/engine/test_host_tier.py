@@ -5,10 +5,10 @@ evicted checkpoint comes back with its blocks and the earlier turn is not recomp
 import pytest
 import torch
 
-from core.hashing import block_hashes
 from core.engine_config import EngineConfig
-from replicas.engine.engine import Engine
+from core.hashing import block_hashes
 from core.messages import GenerateRequest, SamplingParams
+from replicas.engine.engine import Engine
 from tests.engine.conftest import prompts
 from tests.engine.test_checkpoints import poison
 

@@ -1,6 +1,6 @@
-"""Sampling values at the edge of float32, found by bench/fuzz.py: each once killed the engine's step loop
-(NaN probabilities, a tensor size mismatch, a row with no token to draw). Now each request runs or fails
-alone, and the requests beside it finish."""
+"""Sampling values at the edge of float32, found by bench/reliability/fuzz.py: each once killed the engine's
+step loop (NaN probabilities, a tensor size mismatch, a row with no token to draw). Now each request runs or
+fails alone, and the requests beside it finish."""
 
 import pytest
 

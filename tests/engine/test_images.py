@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from core.engine_config import EngineConfig
-from replicas.engine.engine import Engine
 from core.messages import GenerateRequest, ImageInput, RequestError, SamplingParams
+from replicas.engine.engine import Engine
 from tests.engine.conftest import run_all as run
 
 NUM_STEPS = 32

@@ -13,8 +13,8 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from replicas.engine.async_engine import AsyncEngine
 from core.messages import GenerateRequest, RequestError, SamplingParams, StructuredSpec
+from replicas.engine.async_engine import AsyncEngine
 from replicas.sampling.grammar import GrammarState
 from tests.engine.conftest import greedy, prompts, run_all
 

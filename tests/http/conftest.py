@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from replicas.deployment import ModelReplica
 from core.app_config import AppConfig
+from replicas.deployment import ModelReplica
 from serve_app.local_server import LocalServer
 
 MODEL = "tiny"

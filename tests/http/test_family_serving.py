@@ -6,9 +6,9 @@ one block), n = 2, logprobs."""
 import openai
 import pytest
 
+from testing.tiny_families import FAMILIES
 from tests.http.conftest import MODEL
 from tests.http.test_multiturn import check_each_turn_costs_only_what_it_added, converse
-from testing.tiny_families import FAMILIES
 
 FIRST = "Hello! Name three rivers of Europe and say which seas they reach."
 

@@ -1,11 +1,12 @@
-"""A bounded schemathesis run against the served /openapi.json (bench/fuzz.py is the long one).
+"""A bounded schemathesis run against the served /openapi.json (bench/reliability/fuzz.py is the long one).
 
 Every route, positive and negative cases, then the stateful /tokenize -> /v1/completions link, on a
 LocalServer with a replica of its own (a request that kills an engine must not take the package's shared
 one with it). Checks: no 5xx, status codes, content types and bodies as the schema says, and every error in
-OpenAI's shape, a 400 naming its `param` (bench/fuzz.py's `openai_error_shape`; its `before_call` hook
-caps max_tokens). The last test asserts what schemathesis' warnings would: each body route had positive
-cases accepted, and no generation request was a 404 (the fuzzer reached generation).
+OpenAI's shape, a 400 naming its `param` (testing/fuzz_hooks.py's `openai_error_shape`; importing it also
+registers its `before_call` hook, which caps max_tokens). The last test asserts what schemathesis' warnings
+would: each body route had positive cases accepted, and no generation request was a 404 (the fuzzer reached
+generation).
 """
 
 import collections
@@ -19,7 +20,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                status_code_conformance)
 
-from bench.fuzz import openai_error_shape
+from testing.fuzz_hooks import openai_error_shape
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           openai_error_shape]

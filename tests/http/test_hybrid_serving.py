@@ -6,8 +6,8 @@ with a template that rewrites earlier turns."""
 import openai
 import pytest
 
-from tests.http.test_multiturn import QWEN_STYLE_TEMPLATE, converse
 from testing.tiny_models import with_chat_template
+from tests.http.test_multiturn import QWEN_STYLE_TEMPLATE, converse
 
 
 @pytest.fixture(scope="module", params=["smollm2-template", "qwen-style-template"])

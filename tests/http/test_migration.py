@@ -11,14 +11,14 @@ import asyncio
 import openai
 import pytest
 
-from replicas.cache.conversation_state import StateRefused
 from core.engine_config import EngineConfig
+from replicas.cache.conversation_state import StateRefused
 from replicas.depot import StateDepot
 from replicas.engine.engine import Engine
 from replicas.engine.migration import export_states, import_state
+from testing.local_depot import InProcessDepot
 from tests.http.conftest import MODEL
 from tests.http.test_multiturn import BLOCK, turn
-from testing.local_depot import InProcessDepot
 
 FIRST = "Hello! Name three rivers and say which is longest."
 

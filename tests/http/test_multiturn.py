@@ -5,8 +5,8 @@ import httpx
 import openai
 import pytest
 
-from tests.http.conftest import MODEL
 from testing.tiny_models import with_chat_template
+from tests.http.conftest import MODEL
 
 BLOCK = 16  # the engine's default block size
 QWEN_STYLE_TEMPLATE = (

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from core.engine_config import EngineConfig
+from core.messages import GenerateRequest, SamplingParams
 from replicas.device import has_fast_bf16
 from replicas.engine.engine import Engine
-from core.messages import GenerateRequest, SamplingParams
+from testing.tiny_families import FAMILIES
 from tests.engine.conftest import run_all
 from tests.parity.test_llama_parity import our_logits
-from testing.tiny_families import FAMILIES
 
 TOL = 1e-4
 NUM_STEPS = 32

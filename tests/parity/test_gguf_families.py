@@ -28,13 +28,13 @@ import torch
 from transformers import AutoConfig
 
 from core.engine_config import EngineConfig
-from replicas.engine.engine import Engine
 from model_files.gguf import convert_gguf
 from model_files.gguf_config import read_config
 from model_files.gguf_rope import llama3_parameters, rope_parameters
 from model_files.prepare import prepare_model
-from tests.parity.test_llama_parity import our_logits
+from replicas.engine.engine import Engine
 from testing.tiny_gguf import GEMMA3, PHI3, QWEN3MOE, ROPE_THETA, T, sizes, smollm2_tokenizer, write_tiny_gguf
+from tests.parity.test_llama_parity import our_logits
 
 TOL = 1e-4
 # What a Q4_K_M file mixes, and the 32-block types with F16 / BF16 around them.

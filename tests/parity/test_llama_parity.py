@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from core.engine_config import EngineConfig
+from core.messages import GenerateRequest, SamplingParams
 from replicas.cpu_isa import cpu_isa
 from replicas.device import has_fast_bf16, resolve_dtype
 from replicas.engine.engine import Engine
 from replicas.kernels.cpu_linear.int4 import Int4Linear, can_use_int4
-from core.messages import GenerateRequest, SamplingParams
 from tests.engine.conftest import run_all
 
 
@@ -20,8 +20,8 @@ def reference(model_dir):
 
 def our_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     """Logits at every prompt position, through the engine's runner (paged KV, flattened batch)."""
-    from replicas.request.request import Request
     from replicas.engine.scheduler import ScheduledRequest
+    from replicas.request.request import Request
 
     req = Request("p", prompt, SamplingParams(temperature=0.0), 1, frozenset())
     assert engine.scheduler.kv_manager.allocate_slots(req, len(prompt))

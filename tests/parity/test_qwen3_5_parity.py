@@ -8,12 +8,12 @@ prefill chunks and decode rows, decode and prefill in one forward, state carried
 import pytest
 import torch
 
-from replicas.engine.model_runner import ModelRunner
-from replicas.request.request import Request
-from replicas.engine.scheduler import ScheduledRequest
 from core.messages import SamplingParams
+from replicas.engine.model_runner import ModelRunner
+from replicas.engine.scheduler import ScheduledRequest
 from replicas.models.gated_deltanet import allocate_linear_states, make_linear_state_batch
 from replicas.models.qwen3_5 import Qwen3_5ForCausalLM
+from replicas.request.request import Request
 
 TOL = 1e-4
 BLOCK, NUM_BLOCKS, NUM_SLOTS = 4, 96, 6

@@ -3,6 +3,7 @@
 import pytest
 
 from serve_app.local_server import free_port
+from testing.routing_warmup import wait_until_routed_to_each
 
 APP = "tether"
 MODEL = "tiny"
@@ -44,37 +45,8 @@ def replica_ids(serve_app) -> list[str]:
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     ids = sorted(name.rsplit("#", 1)[-1] for name in names if f"{APP}#ModelReplica#" in name)
-    wait_until_routed_to_each(serve_app, ids)
+    wait_until_routed_to_each(serve_app, ids, MODEL)
     return ids
-
-
-def wait_until_routed_to_each(base_url: str, replica_ids: list[str], timeout_s: float = 60.0) -> None:
-    """serve.run returns when the replicas are healthy, but the ingress's router learns the replica set a
-    moment later (Serve's long poll): requests sent before it does all go to the replicas it knows. Sends
-    one-turn requests whose rendezvous owners cover every replica until each replica has served one."""
-    import time
-
-    import httpx
-
-    from core.hashing import rendezvous_owner, route_key
-    from serve_app.routes import REPLICA_HEADER
-
-    served: set[str] = set()
-    deadline = time.monotonic() + timeout_s
-    i = 0
-    while served != set(replica_ids) and time.monotonic() < deadline:
-        texts = {}  # fresh conversations each round: a conversation that landed once stays where it landed
-        while len(texts) < len(replica_ids):
-            text = f"warm-up {i}"
-            texts.setdefault(rendezvous_owner(route_key("", MODEL, messages=[{"role": "user", "content": text}]),
-                                              replica_ids), text)
-            i += 1
-        for text in texts.values():
-            reply = httpx.post(f"{base_url}/v1/chat/completions", timeout=60,
-                               json={"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": text}]})
-            served.add(reply.headers.get(REPLICA_HEADER))
-        time.sleep(0.2)
-    assert served == set(replica_ids), f"after {timeout_s} s the ingress routes only to {served}"
 
 
 def stats_of_each(ids, app: str = APP) -> dict[str, dict]:

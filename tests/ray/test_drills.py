@@ -4,7 +4,7 @@ A second app beside the session's (its own route prefix, one replica) runs Model
 request asking for FAULT_MAX_TOKENS tokens makes the engine's step raise once it has streamed a few, as a
 bug in a step would, on the step thread of a real replica. Its stream ends with an SSE error event; a new
 request to the replica is a 503 saying why; check_health fails, and Serve replaces the replica within 60 s,
-after which requests succeed again. bench/drills.py runs the same drill under load, with the others.
+after which requests succeed again. bench/reliability/drills.py runs the same drill under load, with the others.
 """
 
 import json
@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from testing.faulty_replica import faulty_replica_class
 from serve_app.local_server import free_port
+from testing.faulty_replica import faulty_replica_class
 from tests.ray.conftest import MODEL
 
 FAULTY = "faulty"

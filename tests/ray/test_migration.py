@@ -10,100 +10,14 @@ never run through the linear layers again. Then a rolling update (a ray_actor_op
 replica) under a light load: no request fails, and every conversation keeps its computed prefix.
 """
 
-import threading
-import time
-
-import httpx
 import pytest
 
 from serve_app.local_server import free_port
-from tests.ray.conftest import MODEL, stats_of_each, wait_until_routed_to_each
+from testing.migration import (APP, BLOCK, NUM_CONVERSATIONS, ROLLED_OPTIONS, app_config, deploy, light_load,
+                               new_tokens, next_turn, start_with_conversations, wait_for)
+from tests.ray.conftest import stats_of_each
 
-APP = "migrate"
-BLOCK = 16
-NUM_CONVERSATIONS = 8
 PORT = free_port()
-
-
-def app_config(model_dir, deployments: list[dict] | None = None) -> dict:
-    return {"name": APP, "route_prefix": f"/{APP}", "import_path": "serve_app.app:build_app",
-            "args": {"model": str(model_dir), "served_model_name": MODEL, "num_replicas": 3, "dtype": "float32",
-                     "replica_num_cpus": 0, "engine": {"num_threads": 1}, "ingress": {"http_port": PORT}},
-            "deployments": deployments or []}
-
-
-def deploy(config: dict) -> None:
-    """What `serve deploy config.yaml` does, without the dashboard's HTTP hop."""
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    _get_global_client().deploy_apps(ServeDeploySchema(applications=[config]))
-
-
-def replica_ids() -> set[str]:
-    import ray
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-    return {name.rsplit("#", 1)[-1] for name in names if f"{APP}#ModelReplica#" in name}
-
-
-def wait_for(replicas: int, gone: set[str] = frozenset(), timeout_s: float = 120.0) -> set[str]:
-    """Until the app runs `replicas` ModelReplicas, none of `gone` alive (their export is done by then)."""
-    from ray import serve
-
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        app = serve.status().applications.get(APP)
-        ids = replica_ids()
-        if app is not None and app.status == "RUNNING" and len(ids) == replicas and not ids & gone:
-            deployment = app.deployments["ModelReplica"]
-            if deployment.replica_states.get("RUNNING", 0) == replicas:
-                return ids
-        time.sleep(0.5)
-    raise AssertionError(f"the app did not reach {replicas} replicas: {serve.status().applications.get(APP)}")
-
-
-def chat(base: str, messages: list[dict]) -> dict:
-    reply = httpx.post(f"{base}/v1/chat/completions", timeout=120,
-                       json={"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0,
-                             "return_token_ids": True})
-    reply.raise_for_status()
-    body = reply.json()
-    details = body["usage"]["prompt_tokens_details"]
-    return {"text": body["choices"][0]["message"]["content"], "prompt": body["prompt_token_ids"],
-            "completion": body["choices"][0]["token_ids"], "cached": details["cached_tokens"],
-            "retention": details["retention"], "replica": reply.headers.get("x-tether-replica")}
-
-
-def spread_over(ids: list[str], count: int = NUM_CONVERSATIONS) -> list[str]:
-    """First messages of `count` conversations whose rendezvous owners cover every replica (at least
-    two each), so whichever replica Serve removes holds conversations."""
-    from core.hashing import rendezvous_owner, route_key
-
-    texts, per_replica, i = [], dict.fromkeys(ids, 0), 0
-    while len(texts) < count:
-        text = f"Conversation {i}: name three rivers."
-        owner = rendezvous_owner(route_key("", MODEL, messages=[{"role": "user", "content": text}]), ids)
-        if per_replica[owner] < 2 or min(per_replica.values()) >= 2:
-            texts.append(text)
-            per_replica[owner] += 1
-        i += 1
-    return texts
-
-
-def next_turn(base: str, conversation: dict) -> dict:
-    result = chat(base, conversation["messages"])
-    k = len(conversation["turns"])
-    conversation["turns"].append(result)
-    conversation["messages"] += [{"role": "assistant", "content": result["text"]},
-                                 {"role": "user", "content": f"Turn {k + 2}: more about item {k}, please."}]
-    return result
-
-
-def new_tokens(conversation: dict) -> int:
-    """Of the last turn: prompt ids past the previous turn's prompt + reply."""
-    prev, cur = conversation["turns"][-2:]
-    return len(cur["prompt"]) - len(prev["prompt"]) - len(prev["completion"])
 
 
 def replica_stats(ids: set[str]) -> dict[str, dict]:
@@ -121,20 +35,11 @@ def cold_completion(model_dir, prompt: list[int]) -> list[int]:
 
 @pytest.fixture
 def conversations_on_three(serve_app):
+    """model_dir -> the app's URL (the fast path: its Ingress answers HTTP itself), 8 conversations of 3 turns
+    spread over its 3 replicas, their ids."""
     from ray import serve
 
-    def start(model_dir) -> tuple[str, list[dict], set[str]]:
-        deploy(app_config(model_dir))
-        ids = wait_for(3)
-        base = f"http://127.0.0.1:{PORT}"  # the fast path: its Ingress answers HTTP itself
-        wait_until_routed_to_each(base, sorted(ids))
-        conversations = [{"messages": [{"role": "user", "content": text}], "turns": []}
-                         for text in spread_over(sorted(ids))]
-        for _ in range(3):
-            for conversation in conversations:
-                next_turn(base, conversation)
-        return base, conversations, ids
-    yield start
+    yield lambda model_dir: start_with_conversations(app_config(model_dir, PORT), NUM_CONVERSATIONS, turns=3)
     serve.delete(APP)
 
 
@@ -144,7 +49,7 @@ def test_scale_in_moves_every_conversation_to_a_survivor(conversations_on_three,
     model_dir = tiny_llama_dir if model == "llama" else tiny_hybrid_dir
     base, conversations, before = conversations_on_three(model_dir)
     held = {c["turns"][-1]["replica"] for c in conversations}
-    deploy(app_config(model_dir, [{"name": "ModelReplica", "num_replicas": 2}]))
+    deploy(app_config(model_dir, PORT, [{"name": "ModelReplica", "num_replicas": 2}]))
     survivors = wait_for(2)
     [victim] = before - survivors
     assert victim in held, "no conversation lived on the removed replica: nothing would move"
@@ -168,28 +73,10 @@ def test_scale_in_moves_every_conversation_to_a_survivor(conversations_on_three,
 
 def rolling_update_keeps_every_prefix(base: str, conversations: list[dict], model_dir, old: set[str]) -> None:
     """A ray_actor_options change restarts every replica, one by one, while a client keeps chatting."""
-    failures, stop = [], threading.Event()
-
-    def light_load():
-        i = 0
-        while not stop.is_set():
-            try:
-                next_turn(base, conversations[i % 4])
-            except Exception as exc:  # counted: the promise is 0 failed requests
-                failures.append(repr(exc))
-            i += 1
-            time.sleep(0.2)
-
-    load = threading.Thread(target=light_load)
-    load.start()
-    try:
-        deploy(app_config(model_dir, [{"name": "ModelReplica", "num_replicas": 2,
-                                       "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": {
-                                           "TETHER_ROLLED": "1"}}}}]))
+    with light_load(base, conversations[:4]) as (failures, _):
+        deploy(app_config(model_dir, PORT, [{"name": "ModelReplica", "num_replicas": 2,
+                                             "ray_actor_options": ROLLED_OPTIONS}]))
         wait_for(2, gone=old)
-    finally:
-        stop.set()
-        load.join()
     assert failures == []
     for conversation in conversations:
         result = next_turn(base, conversation)

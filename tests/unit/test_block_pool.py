@@ -2,10 +2,10 @@
 
 import pytest
 
+from core.messages import SamplingParams
 from replicas.cache.block_pool import BlockPool
 from replicas.cache.kv_cache_manager import KVCacheManager
 from replicas.request.request import Request
-from core.messages import SamplingParams
 
 
 def request(num_prompt: int) -> Request:

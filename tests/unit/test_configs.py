@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.app import _parse_args
 from core.app_config import AppConfig
+from serve_app.app import _parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from replicas.delta_channel import DeltaChannels, Outbox
 from core.messages import ChannelOffer, ChannelTicket, GenerateDelta, RequestError
+from replicas.delta_channel import DeltaChannels, Outbox
 from serve_app.channel_client import ChannelClient
 
 REPLICA = "replica-a"

@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image, ImageFile
 
-from core.messages import RequestError
 from core.app_config import IngressConfig
+from core.messages import RequestError
 from serve_app.images import ImageLimits, image_parts, load_image, load_images
 from serve_app.protocol import ChatMessage
 

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from core.messages import SamplingParams
 from replicas.engine.batch_builder import sampling_rows
 from replicas.request.request import Request
-from core.messages import SamplingParams
 from replicas.sampling.processors import apply_logits_plan, build_logits_plan
 from replicas.sampling.sampler import Sampler
 

@@ -12,9 +12,9 @@ import pytest
 from ray.serve._private.common import DeploymentID, DeploymentHandleSource, ReplicaID, RequestMetadata
 from ray.serve._private.request_router.common import PendingRequest
 
-from core.hashing import block_hashes, rendezvous_owner, rendezvous_rank, short_hash
 from cache_router.policy import Candidate, PolicyConfig, choose
 from cache_router.router import ConversationRouter
+from core.hashing import block_hashes, rendezvous_owner, rendezvous_rank, short_hash
 from core.messages import GenerateRequest, SamplingParams
 
 DEPLOYMENT = DeploymentID(name="ModelReplica", app_name="test")

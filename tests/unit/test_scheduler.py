@@ -2,11 +2,11 @@
 
 import pytest
 
+from core.messages import SamplingParams
 from replicas.cache.block_pool import BlockPool
 from replicas.cache.kv_cache_manager import KVCacheManager
-from replicas.request.request import Request, RequestStatus
 from replicas.engine.scheduler import Scheduler
-from core.messages import SamplingParams
+from replicas.request.request import Request, RequestStatus
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=16):

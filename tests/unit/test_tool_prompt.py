@@ -1,5 +1,5 @@
 """Tools into the prompt (serve_app/tools/prompt.py, serve_app/render.py), the parser a template gets
-(serve_app/tools/reader.py), and `tools` / `tool_choice` validation (serve_app/tools/validation.py)."""
+(core/tool_calls/reader.py), and `tools` / `tool_choice` validation (serve_app/tools/validation.py)."""
 
 import json
 

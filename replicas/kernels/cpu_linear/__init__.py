@@ -1,21 +1,25 @@
 """Linear layers with weights reordered once into oneDNN's blocked layout (CPU).
 
 `F.linear` on CPU reorders a weight into oneDNN's layout on every call (or, in float32, takes
-a slower BLAS path); at decode sizes that is most of the matmul's time (`bench/cpu_linear.py` at
+a slower BLAS path); at decode sizes that is most of the matmul's time (`bench/kernels/cpu_linear.py` at
 SmolLM2's shapes, 2 threads: 53 vs 147 us for a [1, 576] x [576, 3072] product in bf16,
 1.8 vs 4.7 ms for the [576, 49152] head in bf16, 1.8 vs 6.7 ms in float32). Float32 weights pack on
-any x86 host; bfloat16 ones only where oneDNN's bf16 reorder runs (`can_pack`; elsewhere it raises). `pack_linears` swaps each `nn.Linear` of a model for a
-`PackedLinear` that holds the reordered weight and calls the same oneDNN kernel:
-bfloat16 results are bitwise those of `F.linear`, float32 ones equal within
+any x86 host; bfloat16 ones only where oneDNN's bf16 reorder runs (`can_pack`; elsewhere it raises).
+`pack_linears` swaps each `nn.Linear` of a model for a `PackedLinear` that holds the reordered weight and
+calls the same oneDNN kernel: bfloat16 results are bitwise those of `F.linear`, float32 ones equal within
 rounding (~1e-6). The ops are private (`torch.ops.mkldnn`, what inductor uses for
 frozen CPU graphs): where they are missing or refuse a weight, the layer stays as it was.
+
+The package's native kernels for quantized weights: int4.py / int4_native.py (4-bit groups), int8_native.py
+(the 8-bit head), expert_native.py (MoE experts at decode sizes); their references, and PackedLinear's, are
+naive.py.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from replicas import cpu_isa
+from replicas.kernels.cpu_linear.naive import naive_packed_linear
 
 
 class PackedLinear(nn.Module):
@@ -63,8 +67,8 @@ def pack_linears(model: nn.Module) -> int:
         try:
             replacement = PackedLinear(linear)
             probe = torch.randn(3, linear.in_features, dtype=linear.weight.dtype)
-            if not torch.allclose(replacement(probe).float(), F.linear(probe, linear.weight, linear.bias).float(),
-                                  rtol=1e-3, atol=1e-3):
+            expected = naive_packed_linear(probe, linear.weight, linear.bias)
+            if not torch.allclose(replacement(probe).float(), expected.float(), rtol=1e-3, atol=1e-3):
                 continue
         except RuntimeError:  # this build's oneDNN refuses the dtype or shape: keep F.linear
             continue

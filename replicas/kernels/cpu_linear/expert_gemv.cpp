@@ -11,7 +11,7 @@
 // pairs of one expert that are adjacent (the caller sorts them by expert) read the tile from L1. Each pair's
 // sums run in one fixed order whatever the other pairs are: a pair's result does not depend on its batch.
 //
-// Built with the host's ISA flags (replicas/cpu_isa.py): AVX-512, AVX2+FMA, or a scalar loop.
+// Built with the host's ISA flags (replicas/cpu_isa.py): AVX-512 or AVX2+FMA; the vector layer is tether_vec.h.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -19,31 +19,13 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "simd.h"
+#include "tether_vec.h"
 
 namespace {
 
-using namespace simd;
+using namespace tether;
 
 constexpr int NR = 4;  // weight rows per tile: 4 independent FMA chains per pass over x
-
-// ---- the ISA-specific part: VL weights at w as float32 ----
-#if defined(__AVX512F__)
-inline vf vweights(const float* w) { return _mm512_loadu_ps(w); }
-inline vf vweights(const at::BFloat16* w) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-inline vf vweights(const float* w) { return _mm256_loadu_ps(w); }
-inline vf vweights(const at::BFloat16* w) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-#else  // portable
-inline vf vweights(const float* w) { return *w; }
-inline vf vweights(const at::BFloat16* w) { return static_cast<float>(*w); }
-#endif
 
 // out[n0 .. n0 + rows) of one pair: x [K] float32, w: row n0 of its expert [N, K].
 template <typename w_t>
@@ -54,7 +36,7 @@ inline void tile(const float* x, const w_t* w, int64_t K, int64_t rows, float* o
   for (int64_t k = 0; k < k_vec; k += VL) {
     const vf xv = vload(x + k);
     unroll<NR>([&](auto r) {
-      if (r < rows) acc[r] = vfma(vweights(w + r * K + k), xv, acc[r]);
+      if (r < rows) acc[r] = vfma(vload(w + r * K + k), xv, acc[r]);  // bf16 widened exactly
     });
   }
   for (int64_t r = 0; r < rows; ++r) {

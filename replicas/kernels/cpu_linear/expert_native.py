@@ -1,5 +1,5 @@
 """The native MoE expert kernel (expert_gemv.cpp): each (token, expert) pair times its own expert's weights,
-float32 math, for decode-sized batches; `naive_expert_linear` is its PyTorch reference.
+float32 math, for decode-sized batches; its PyTorch reference is naive.py's `naive_expert_linear`.
 
 Built once per host ISA by replicas/kernels/native_build.py; `native_experts()` is None where it cannot be
 built (moe.py then keeps its grouped matmul).
@@ -26,8 +26,3 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor) ->
     -> [P, N] float32, row p = w[expert_ids[p]] @ x[p]."""
     out = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32)
     return native_experts().expert_linear(x, w, expert_ids, out)
-
-
-def naive_expert_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    """The reference: a batched matmul over each pair's gathered expert, in float32. -> [P, N] float32"""
-    return torch.bmm(w[expert_ids].float(), x.float().unsqueeze(-1)).squeeze(-1)

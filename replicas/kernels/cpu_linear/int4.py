@@ -1,4 +1,5 @@
-"""Linear layers whose checkpoint weights are 4-bit groups, run at decode sizes by torch's int4 CPU kernel.
+"""Linear layers whose checkpoint weights are 4-bit groups, run at decode sizes on those groups: the native
+kernel where it builds (int4_native.py), else torch's int4 CPU kernel in bfloat16.
 
 A GGUF Q4_0 / Q4_1 checkpoint (the default SmolLM2 is Q4_1) stores each run of 32 input weights of a
 row as `d * q + m` with q in 0..15. Dequantized to float32 the groups keep that form exactly, so
@@ -6,7 +7,7 @@ row as `d * q + m` with q in 0..15. Dequantized to float32 the groups keep that 
 not already 4-bit is quantized here. At decode sizes a step streams every weight once and the
 4-bit copy is a quarter of the bf16 one: one pass of `torch.ops.aten._weight_int4pack_mm_for_cpu`
 (what gpt-fast / torchao use) beats the packed bf16 matmul up to ~8 rows, the two passes below up to
-2 (INT4_MAX_ROWS; `python bench/engine_ab.py int4`). Larger batches (prefill chunks) keep the dense
+2 (INT4_MAX_ROWS; `python -m bench.engine.engine_ab int4`). Larger batches (prefill chunks) keep the dense
 bf16 path, where the int4 kernel is 2x slower.
 The kernel takes bf16 activations and bf16 scale / zero, and rounds its output to bf16. Rounding each
 group's scale and offset to bf16 moved SmolLM2's decode logprobs by up to 0.069 from float32's (the
@@ -32,8 +33,8 @@ GROUP_SIZE = 32  # GGUF's Q4 block
 # Layers whose output is only consumed in float32: the residual stream, SwiGLU's float32 product.
 FLOAT_OUTPUT_LAYERS = ("o_proj", "out_proj", "down_proj", "gate_up_proj")
 INT4_MAX_ROWS = 2  # rows up to which the two int4 passes beat the packed bf16 matmul (2 cores, SmolLM2 shapes)
-# Rows up to which the native kernel beats the packed dense matmul of each dtype (bench/int4_gemv.py, model-sized;
-# bf16: bench/profile_step.py at 8 streams, 18.8 ms packed vs 21.4 ms int4 per step).
+# Rows up to which the native kernel beats the packed dense matmul of each dtype (bench/kernels/int4_gemv.py,
+# model-sized; bf16: bench/engine/profile_step.py at 8 streams, 18.8 ms packed vs 21.4 ms int4 per step).
 NATIVE_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}
 
 

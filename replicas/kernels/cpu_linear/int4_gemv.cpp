@@ -23,7 +23,7 @@
 // torch's OpenMP threads only when this file is built with -fopenmp; without it, one thread
 // (the module's `openmp` attribute says which).
 //
-// Built with the host's ISA flags (replicas/cpu_isa.py): AVX-512, AVX2+FMA, or a scalar loop.
+// Built with the host's ISA flags (replicas/cpu_isa.py): AVX-512 or AVX2+FMA; the vector layer is tether_vec.h.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -36,17 +36,17 @@
 #include <utility>
 #include <vector>
 
-#include "simd.h"
+#include "tether_vec.h"
 
 namespace {
 
-using namespace simd;
+using namespace tether;
 
 constexpr int64_t kBlock = 32;     // weights per packed block of a row (16 bytes)
 constexpr int64_t kQuad = 4;       // weight rows interleaved by the packed layout: 4 x 16 bytes, a cache line
 constexpr int64_t kMaxRows = 8;    // rows of x per kernel pass; more rows run in passes of 8
 
-// ---- the ISA-specific part (the vector layer is simd.h): Dequant, which turns one weight row's packed
+// ---- the ISA-specific part (the vector layer is tether_vec.h): Dequant, which turns one weight row's packed
 // bytes of a group into weights: Dequant(scale, offset)(bytes + j, lo, hi) gives the weights j..j+VL
 // (low nibbles) and 16+j..16+j+VL (high nibbles) of a block as fma(q, scale, offset). ----
 #if defined(__AVX512F__)
@@ -62,7 +62,7 @@ struct Dequant {
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
   }
 };
-#elif defined(__AVX2__) && defined(__FMA__)
+#else  // AVX2 + FMA
 struct Dequant {
   Dequant() = default;
   vf scale, offset;
@@ -71,16 +71,6 @@ struct Dequant {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), scale, offset);
     hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), scale, offset);
-  }
-};
-#else  // portable
-struct Dequant {
-  Dequant() = default;
-  float scale, offset;
-  Dequant(float s, float o) : scale(s), offset(o) {}
-  void operator()(const uint8_t* p, vf& lo, vf& hi) const {
-    lo = static_cast<float>(*p & 15) * scale + offset;
-    hi = static_cast<float>(*p >> 4) * scale + offset;
   }
 };
 #endif

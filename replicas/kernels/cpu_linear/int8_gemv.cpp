@@ -16,7 +16,7 @@
 // the tile's register budget run as a second pass over the same tile, its weights still in L1). It runs
 // on torch's OpenMP threads only when built with -fopenmp (the module's `openmp` attribute says which).
 //
-// Built with the host's ISA flags (replicas/cpu_isa.py): AVX-512, AVX2+FMA, or a scalar loop.
+// Built with the host's ISA flags (replicas/cpu_isa.py): AVX-512 or AVX2+FMA; the vector layer is tether_vec.h.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -26,28 +26,26 @@
 #include <type_traits>
 #include <utility>
 
-#include "simd.h"
+#include "tether_vec.h"
 
 namespace {
 
-using namespace simd;
+using namespace tether;
 
 constexpr int64_t kBlock = 32;  // group sizes are multiples of this (GGUF's Q8_0 block)
 
-// ---- the ISA-specific part (the vector layer is simd.h): vweights(q, scale): the VL int8 weights at q
+// ---- the ISA-specific part (the vector layer is tether_vec.h): vweights(q, scale): the VL int8 weights at q
 // as float32 times scale. ----
 #if defined(__AVX512F__)
 inline vf vweights(const int8_t* q, vf scale) {  // 16 bytes -> 16 weights
   const __m512i i = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   return _mm512_mul_ps(_mm512_cvtepi32_ps(i), scale);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#else  // AVX2 + FMA
 inline vf vweights(const int8_t* q, vf scale) {  // 8 bytes -> 8 weights
   const __m256i i = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
   return _mm256_mul_ps(_mm256_cvtepi32_ps(i), scale);
 }
-#else  // portable
-inline vf vweights(const int8_t* q, vf scale) { return static_cast<float>(*q) * scale; }
 #endif
 
 // Register budget: 32 vectors with AVX-512, 16 with AVX2. A tile keeps NR * MR * A accumulators (A per
@@ -56,7 +54,7 @@ inline vf vweights(const int8_t* q, vf scale) { return static_cast<float>(*q) * 
 constexpr int kPassRows = VL == 16 ? 16 : 8;  // rows of x per pass over a weight tile
 constexpr int64_t kMaxRows = 16;               // rows of x per pass over all the weights (more: more passes)
 constexpr int tile_rows(int M) { return VL == 16 ? (M <= 4 ? 4 : M <= 8 ? 2 : 1) : (M <= 4 ? 2 : 1); }
-constexpr int acc_sets(int M) { return VL == 16 ? (M <= 2 ? 2 : 1) : VL == 8 ? (M <= 2 ? 2 : 1) : 1; }
+constexpr int acc_sets(int M) { return M <= 2 ? 2 : 1; }  // both widths
 
 // out[m, n0:n0+NR] for m < MR.  x: [MR, K] float32 (row stride K);  q: row n0 of [N, K] int8;
 // scale: row n0 of [N, K/G] float32;  out: [MR, N] (row stride N).

@@ -16,7 +16,7 @@
 
 #include <limits>
 
-#include "vec_math.h"
+#include "tether_vec.h"  // to_float, from_float, fast_exp
 
 namespace tether {
 namespace {

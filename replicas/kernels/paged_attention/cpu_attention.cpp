@@ -1,9 +1,9 @@
 // Paged attention on CPU over one step's varlen batch (decode rows and prefill chunks of many sequences in
 // one call). Built by replicas/kernels/native_build.py; launched by cpu_native.py; its spec is
 // naive_varlen_attention in naive.py. All math in float32 (bf16 loads widened, the output rounded once), on
-// GCC vector types of the ISA's width: 16 floats (zmm) under the avx512 flags, 8 (ymm) under avx2. (g++'s own
-// vectoriser turned the register-blocked loops below into permutes on ymm: 8 GFLOP/s, against ~130 from these;
-// 16-float vectors under avx2 alone were as slow.)
+// tether_vec.h's GCC vector types of the ISA's width: VL = 16 floats (zmm) under the avx512 flags, 8 (ymm)
+// under avx2. (g++'s own vectoriser turned the register-blocked loops below into permutes on ymm: 8 GFLOP/s,
+// against ~130 from these; 16-float vectors under avx2 alone were as slow.)
 //
 // A work item is (sequence, KV head, up to kMaxRows rows, key range), a row being (query position, query head
 // of that KV head): every K/V tile is read once for the whole head group, and keys no row of the item can see
@@ -32,13 +32,12 @@
 #include <numeric>
 #include <vector>
 
+#include "tether_vec.h"
+
 namespace {
 
-#ifdef __AVX512F__
-constexpr int kLanes = 16;  // floats per vector
-#else
-constexpr int kLanes = 8;
-#endif
+using namespace tether;  // VL, vf, vi and their operations (tether_vec.h)
+
 constexpr int kMaxRows = 64;           // rows per work item
 constexpr int kMaxSmallRows = 8;       // items up to this many rows take the keys-on-lanes path
 constexpr int kKeyTile = 32;           // keys per online-softmax step
@@ -46,86 +45,6 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kMinPartitionKeys = 128;  // a split key range keeps at least this many keys per partition
 constexpr int kKeyBlock = 8;  // larger items' QK: keys whose score vectors stay in registers together
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-using vfloat = float __attribute__((vector_size(kLanes * sizeof(float))));
-using vint = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
-using vu16 = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
-inline vfloat splat(float x) { return vfloat{} + x; }
-inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
-
-inline vint lane_index() {  // {0, 1, ..., kLanes - 1}
-  vint v = {};
-  for (int i = 0; i < kLanes; ++i) v[i] = i;
-  return v;
-}
-
-inline vfloat load_vec(const float* p) { return load(p); }
-inline vfloat load_vec(const at::BFloat16* p) {  // kLanes bf16 -> float: the bits, 16 places up
-  vu16 h;
-  std::memcpy(&h, p, sizeof h);
-  return (vfloat)(__builtin_convertvector(h, vint) << 16);
-}
-
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  const uint32_t bits = uint32_t(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// e^x for x <= 0 (Cephes expf: Cody-Waite reduction, degree-5 polynomial, ~1 ulp); 0 below -87, so e^-inf = 0.
-inline vfloat exp_nonpositive(vfloat x) {
-  const vfloat xc = vmax(x, splat(-87.f));
-  const vfloat n = (xc * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2)
-  const vfloat r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  vfloat p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const vfloat y = p * r * r + r + 1.f;
-  const vint two_n = (__builtin_convertvector(n, vint) + 127) << 23;  // 2^n
-  return x < splat(-87.f) ? vfloat{} : y * (vfloat)two_n;
-}
-
-// Lane j of the result: the sum of the lanes of parts[j] ([kLanes][kLanes] floats). log2(kLanes) levels of
-// two-vector shuffles and adds (45 operations for 16 lanes) in place of kLanes horizontal sums. Entering the
-// level of half-width h, each vector holds 2h partial sums per row of kLanes / 2h rows; each output vector
-// takes the low halves of those chunks from a pair of vectors, adds the high halves, and so holds h partial
-// sums per row of twice as many rows, in row order.
-inline vfloat reduce_lanes(const float* parts) {
-  vfloat v[kLanes];
-  for (int i = 0; i < kLanes; ++i) v[i] = load(parts + i * kLanes);
-  for (int h = kLanes / 2, count = kLanes / 2; h >= 1; h /= 2, count /= 2) {
-    const vint lo = lane_index() / h * (2 * h) + lane_index() % h, hi = lo + h;
-    for (int i = 0; i < count; ++i)
-      v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi);
-  }
-  return v[0];
-}
-
-// tanh (Cephes tanhf): an odd polynomial below |x| = 0.625, 1 - 2 / (e^2|x| + 1) above, signed.
-inline vfloat tanh_approx(vfloat x) {
-  const vint sign = (vint)x & int32_t(0x80000000u);
-  const vfloat a = (vfloat)((vint)x ^ sign), z = x * x;
-  const vfloat e = exp_nonpositive(-2.f * a);
-  vfloat p = splat(-5.70498872745e-3f);
-  p = p * z + 2.06390887954e-2f;
-  p = p * z - 5.37397155531e-2f;
-  p = p * z + 1.33314422036e-1f;
-  p = p * z - 3.33332819422e-1f;
-  const vfloat t = a < splat(0.625f) ? a + a * z * p : (1.f - e) / (1.f + e);
-  return (vfloat)((vint)t | sign);
-}
 
 template <typename T>
 struct Problem {
@@ -210,7 +129,7 @@ void run_small_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
   const int D = int(pb.head_dim), rows = w.row_end - w.row_begin;
   const int64_t window = pb.window;
   float q[R][kMaxHeadDim], acc[R][kMaxHeadDim];  // scaled queries; unnormalised output
-  float parts[R][kLanes * kLanes];              // per row, per key of a group of kLanes: partial dot products
+  float parts[R][VL * VL];                      // per row, per key of a group of VL: partial dot products
   float probs[R][kKeyTile];                     // scores, then probabilities
   float row_max[R], row_sum[R], alpha[R];
   int32_t pos[R];
@@ -229,50 +148,50 @@ void run_small_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
   for (int j0 = w.key_begin; j0 < w.key_end; j0 += kKeyTile) {
     const int n = std::min(kKeyTile, w.key_end - j0);
     kv_rows(pb, w, j0, n, k_rows, v_rows);
-    for (int g = 0; g < n; g += kLanes) {  // scores of kLanes keys at a time, masked (keys past n too)
-      const int count = std::min(kLanes, n - g);
-      for (int j = 0; j < kLanes; ++j) {
-        vfloat dot[R] = {};
+    for (int g = 0; g < n; g += VL) {  // scores of VL keys at a time, masked (keys past n too)
+      const int count = std::min(VL, n - g);
+      for (int j = 0; j < VL; ++j) {
+        vf dot[R] = {};
         if (j < count) {
-          for (int d = 0; d < D; d += kLanes) {
-            const vfloat k = load_vec(k_rows[g + j] + d);
-            for (int r = 0; r < R; ++r) dot[r] += k * load(q[r] + d);
+          for (int d = 0; d < D; d += VL) {
+            const vf k = vload(k_rows[g + j] + d);
+            for (int r = 0; r < R; ++r) dot[r] += k * vload(q[r] + d);
           }
         }
-        for (int r = 0; r < R; ++r) store(parts[r] + j * kLanes, dot[r]);
+        for (int r = 0; r < R; ++r) vstore(parts[r] + j * VL, dot[r]);
       }
-      const vint key = lane_index() + (j0 + g);
+      const vi key = lane_index() + (j0 + g);
       for (int r = 0; r < R; ++r) {
-        vfloat s = reduce_lanes(parts[r]);
+        vf s = reduce_lanes(parts[r]);
         if (pb.softcap > 0.f) s = pb.softcap * tanh_approx(s * (1.f / pb.softcap));
-        vint visible = (lane_index() < count) & (key <= pos[r]);
+        vi visible = (lane_index() < count) & (key <= pos[r]);
         if (window > 0) visible &= pos[r] - key < int32_t(window);
-        store(probs[r] + g, visible ? s : splat(kNegInf));
+        vstore(probs[r] + g, visible ? s : vset1(kNegInf));
       }
     }
-    const int n_lanes = (n + kLanes - 1) / kLanes * kLanes;
+    const int n_lanes = (n + VL - 1) / VL * VL;
     for (int r = 0; r < R; ++r) {  // online softmax
       float tile_max = kNegInf, tile_sum = 0.f;
       for (int j = 0; j < n; ++j) tile_max = std::max(tile_max, probs[r][j]);
       const float new_max = std::max(row_max[r], tile_max);
       const float shift = new_max == kNegInf ? 0.f : new_max;  // a row that saw no key yet keeps p = 0
-      for (int j = 0; j < n_lanes; j += kLanes) {
-        const vfloat p = exp_nonpositive(load(probs[r] + j) - shift);
-        store(probs[r] + j, p);
+      for (int j = 0; j < n_lanes; j += VL) {
+        const vf p = exp_nonpositive(vload(probs[r] + j) - shift);
+        vstore(probs[r] + j, p);
       }
       for (int j = 0; j < n; ++j) tile_sum += probs[r][j];
       alpha[r] = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - shift);
       row_sum[r] = row_sum[r] * alpha[r] + tile_sum;
       row_max[r] = new_max;
     }
-    for (int d = 0; d < D; d += kLanes) {  // acc = alpha * acc + p . V
-      vfloat a[R];
-      for (int r = 0; r < R; ++r) a[r] = load(acc[r] + d) * alpha[r];
+    for (int d = 0; d < D; d += VL) {  // acc = alpha * acc + p . V
+      vf a[R];
+      for (int r = 0; r < R; ++r) a[r] = vload(acc[r] + d) * alpha[r];
       for (int j = 0; j < n; ++j) {
-        const vfloat v = load_vec(v_rows[j] + d);
+        const vf v = vload(v_rows[j] + d);
         for (int r = 0; r < R; ++r) a[r] += probs[r][j] * v;
       }
-      for (int r = 0; r < R; ++r) store(acc[r] + d, a[r]);
+      for (int r = 0; r < R; ++r) vstore(acc[r] + d, a[r]);
     }
   }
   finish_rows(pb, w, &acc[0][0], kMaxHeadDim, row_max, row_sum, partial);
@@ -295,15 +214,15 @@ thread_local Scratch scratch;
 
 // scores[j][m] = sum_d keys[j][d] * q_t[d][m] for j < n_pad (a multiple of kKeyBlock), m < rows_pad.
 inline void tile_scores(const float* q_t, const float* keys, float* scores, int n_pad, int rows_pad, int D) {
-  for (int c = 0; c < rows_pad; c += kLanes) {
+  for (int c = 0; c < rows_pad; c += VL) {
     for (int j0 = 0; j0 < n_pad; j0 += kKeyBlock) {
-      vfloat acc[kKeyBlock] = {};
+      vf acc[kKeyBlock] = {};
       const float* k = keys + j0 * D;
       for (int d = 0; d < D; ++d) {
-        const vfloat qv = load(q_t + d * rows_pad + c);
+        const vf qv = vload(q_t + d * rows_pad + c);
         for (int r = 0; r < kKeyBlock; ++r) acc[r] += k[r * D + d] * qv;
       }
-      for (int r = 0; r < kKeyBlock; ++r) store(scores + (j0 + r) * rows_pad + c, acc[r]);
+      for (int r = 0; r < kKeyBlock; ++r) vstore(scores + (j0 + r) * rows_pad + c, acc[r]);
     }
   }
 }
@@ -313,15 +232,15 @@ inline void tile_accumulate(const float* probs, const float* values, const float
                             int rows_pad, int D) {
   constexpr int kRows = 8;
   for (int m0 = 0; m0 < rows_pad; m0 += kRows) {
-    for (int d0 = 0; d0 < D; d0 += kLanes) {
-      vfloat a[kRows];
-      for (int r = 0; r < kRows; ++r) a[r] = load(acc + (m0 + r) * D + d0) * alpha[m0 + r];
+    for (int d0 = 0; d0 < D; d0 += VL) {
+      vf a[kRows];
+      for (int r = 0; r < kRows; ++r) a[r] = vload(acc + (m0 + r) * D + d0) * alpha[m0 + r];
       for (int j = 0; j < n; ++j) {
-        const vfloat v = load(values + j * D + d0);
+        const vf v = vload(values + j * D + d0);
         const float* p = probs + j * rows_pad + m0;
         for (int r = 0; r < kRows; ++r) a[r] += p[r] * v;
       }
-      for (int r = 0; r < kRows; ++r) store(acc + (m0 + r) * D + d0, a[r]);
+      for (int r = 0; r < kRows; ++r) vstore(acc + (m0 + r) * D + d0, a[r]);
     }
   }
 }
@@ -329,7 +248,7 @@ inline void tile_accumulate(const float* probs, const float* values, const float
 template <typename T>
 void run_tile_item(const Problem<T>& pb, const WorkItem& w, Scratch& sc, float* partial) {
   const int D = int(pb.head_dim), rows = w.row_end - w.row_begin;
-  const int rows_pad = (rows + kLanes - 1) / kLanes * kLanes;  // score tile width
+  const int rows_pad = (rows + VL - 1) / VL * VL;  // score tile width
   const int64_t window = pb.window;
   const ItemRows<T> at(pb, w);
   for (int m = 0; m < rows_pad; ++m) {
@@ -357,36 +276,36 @@ void run_tile_item(const Problem<T>& pb, const WorkItem& w, Scratch& sc, float* 
 
     if (pb.softcap > 0.f) {
       const float cap = pb.softcap, inv_cap = 1.f / pb.softcap;
-      for (int i = 0; i < n * rows_pad; i += kLanes)
-        store(sc.scores + i, cap * tanh_approx(load(sc.scores + i) * inv_cap));
+      for (int i = 0; i < n * rows_pad; i += VL)
+        vstore(sc.scores + i, cap * tanh_approx(vload(sc.scores + i) * inv_cap));
     }
     const bool all_visible = j0 + n - 1 <= pos_min && (window <= 0 || pos_max - j0 < window);
-    for (int c = 0; c < rows_pad; c += kLanes) {  // mask, then the online softmax, kLanes rows at a time
-      vint pos;
+    for (int c = 0; c < rows_pad; c += VL) {  // mask, then the online softmax, VL rows at a time
+      vi pos;
       std::memcpy(&pos, sc.pos + c, sizeof pos);
-      vfloat tile_max = splat(kNegInf);
+      vf tile_max = vset1(kNegInf);
       for (int j = 0; j < n; ++j) {
         float* s = sc.scores + j * rows_pad + c;
         if (!all_visible) {
-          const vint key = vint{} + (j0 + j);
-          vint visible = key <= pos;
+          const vi key = vi{} + (j0 + j);
+          vi visible = key <= pos;
           if (window > 0) visible &= pos - key < int32_t(window);
-          store(s, visible ? load(s) : splat(kNegInf));
+          vstore(s, visible ? vload(s) : vset1(kNegInf));
         }
-        tile_max = vmax(tile_max, load(s));
+        tile_max = vmax(tile_max, vload(s));
       }
-      const vfloat old_max = load(sc.row_max + c), new_max = vmax(old_max, tile_max);
-      const vfloat shift = new_max == splat(kNegInf) ? vfloat{} : new_max;  // rows that saw no key keep p = 0
-      const vfloat alpha = exp_nonpositive(old_max - shift);
-      vfloat tile_sum = {};
+      const vf old_max = vload(sc.row_max + c), new_max = vmax(old_max, tile_max);
+      const vf shift = new_max == vset1(kNegInf) ? vf{} : new_max;  // rows that saw no key keep p = 0
+      const vf alpha = exp_nonpositive(old_max - shift);
+      vf tile_sum = {};
       for (int j = 0; j < n; ++j) {
-        const vfloat p = exp_nonpositive(load(sc.scores + j * rows_pad + c) - shift);
-        store(sc.scores + j * rows_pad + c, p);
+        const vf p = exp_nonpositive(vload(sc.scores + j * rows_pad + c) - shift);
+        vstore(sc.scores + j * rows_pad + c, p);
         tile_sum += p;
       }
-      store(sc.row_max + c, new_max);
-      store(sc.alpha + c, alpha);
-      store(sc.row_sum + c, load(sc.row_sum + c) * alpha + tile_sum);
+      vstore(sc.row_max + c, new_max);
+      vstore(sc.alpha + c, alpha);
+      vstore(sc.row_sum + c, vload(sc.row_sum + c) * alpha + tile_sum);
     }
     tile_accumulate(sc.scores, sc.values, sc.alpha, sc.acc, n, rows_pad, D);
   }
@@ -443,7 +362,7 @@ std::vector<WorkItem> plan(const int32_t* query_start_loc, const int32_t* seq_le
       const int64_t row_end = std::min(rows, row_begin + tile_rows);
       const int64_t pos_min = seq_len - q_len + row_begin / group, pos_max = seq_len - q_len + (row_end - 1) / group;
       const int64_t key_begin = window > 0 ? std::max<int64_t>(0, pos_min - window + 1) : 0;
-      const int64_t cost = (row_end - row_begin + kLanes - 1) / kLanes * (pos_max + 1 - key_begin);
+      const int64_t cost = (row_end - row_begin + VL - 1) / VL * (pos_max + 1 - key_begin);
       for (int64_t h = 0; h < num_kv_heads; ++h)
         items.push_back({int32_t(s), int32_t(h), int32_t(row_begin), int32_t(row_end), int32_t(key_begin),
                          int32_t(pos_max + 1), -1, -1, cost});

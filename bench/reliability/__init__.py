@@ -1,0 +1,1 @@
+"""Faults and load: the drills, the soak, API fuzzing, conversation migration."""

@@ -1,0 +1,1 @@
+"""Through a server: what the HTTP and Ray Serve path costs, the routers, multi-turn chat, structured outputs."""
