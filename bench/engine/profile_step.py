@@ -5,9 +5,10 @@
 
 For each batch size: warms up, then profiles --steps decode steps of that many
 concurrent greedy streams (prompts already prefilled) and prints the wall time per
-step, the share of it spent inside torch operators, and the top operators by self
-CPU time. The rest of the step (Python: scheduling, batch building, sampling glue)
-is the gap between the two. With --prefill, profiles instead the cold prefill of prompts of those
+step, the share of it spent inside torch operators, a line per step phase
+(replicas/engine/phases.py: schedule, build, forward, sample, output; each phase's wall
+time per step and the part of it inside torch operators) and the top operators by self
+CPU time. With --prefill, profiles instead the cold prefill of prompts of those
 lengths (prefix caching off), up to the first token, over --steps prompts.
 """
 
@@ -22,6 +23,7 @@ from core.engine_config import EngineConfig
 from core.messages import GenerateRequest, SamplingParams
 from model_files.prepare import prepare_model
 from replicas.engine.engine import Engine
+from replicas.engine.phases import PHASES
 
 PROMPT = "Tell me a long story about a lighthouse keeper and a storm."
 
@@ -59,11 +61,27 @@ def profile_prefill(engine: Engine, num_tokens: int, steps: int, top: int) -> No
 
 def print_top(prof, steps: int, wall: float, top: int) -> None:
     events = prof.key_averages()
-    in_ops = sum(e.self_cpu_time_total for e in events) / steps / 1e6
+    labels = {f"step.{name}" for name in PHASES}
+    in_ops = sum(e.self_cpu_time_total for e in events if e.key not in labels) / steps / 1e6
     print(f"{in_ops * 1e3:.1f} ms inside torch ops, {(wall - in_ops) * 1e3:.1f} ms outside")
+    print_phases(prof, steps, wall)
     print(f"{'operator':40}{'self ms/step':>13}{'calls/step':>12}")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
         print(f"{e.key[:40]:40}{e.self_cpu_time_total / steps / 1e3:>13.2f}{e.count / steps:>12.0f}")
+
+
+def print_phases(prof, steps: int, wall: float) -> None:
+    """Per phase: wall ms per step (the range's CPU time: one thread runs the step) and the ms of it inside
+    torch operators; `other` is the step's time outside every phase."""
+    totals = {name: 0.0 for name in PHASES}
+    in_ops = {name: 0.0 for name in PHASES}
+    for event in prof.events():
+        if event.name.startswith("step."):
+            totals[event.name[5:]] += event.cpu_time_total / 1e3
+            in_ops[event.name[5:]] += sum(child.cpu_time_total for child in event.cpu_children) / 1e3
+    line = ", ".join(f"{name} {totals[name] / steps:.2f} ({in_ops[name] / steps:.2f} in ops)" for name in PHASES)
+    other = wall * 1e3 - sum(totals.values()) / steps
+    print(f"phases, ms per step: {line}, other {other:.2f}")
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from replicas.engine.checkpointer import Checkpointer
 from replicas.engine.migration import MigrationStats, engine_layout
 from replicas.engine.model_runner import ModelRunner, ModelRunnerOutput
 from replicas.engine.output import RequestOutput, TokenTexts, reasoning_end_token_id
+from replicas.engine.phases import phase
 from replicas.engine.retention import Retention
 from replicas.engine.scheduler import Scheduler
 from replicas.engine.vision_encoder import load_vision_encoder
@@ -223,7 +224,8 @@ class Engine:
     # -- the step -----------------------------------------------------------
 
     def step(self) -> list[GenerateDelta]:
-        scheduled = self.scheduler.schedule()
+        with phase("schedule"):
+            scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
         for item in scheduled:
@@ -234,19 +236,20 @@ class Engine:
         output: ModelRunnerOutput = self.runner.run(scheduled)
         for item in scheduled:
             item.request.collected_prompt_logprobs += output.prompt_logprobs.get(item.request.request_id, [])
-        if self.checkpointer is not None:
-            self.checkpointer.after_forward(scheduled, output.last_hidden)
-        updated = self.scheduler.postprocess(scheduled, output.token_ids)
-        self.stats.num_steps += 1
-        self.stats.num_generated_tokens += len(updated)
-        # updated holds one request per sampling row, in the runner's row order.
-        deltas = []
-        for req, logprob in zip(updated, output.logprobs, strict=True):
-            if req.error is not None:
-                self._forget(req)
-                self.failures.append((req.request_id, req.error))
-            else:
-                deltas.append(self._delta(req, logprob))
+        with phase("output"):
+            if self.checkpointer is not None:
+                self.checkpointer.after_forward(scheduled, output.last_hidden)
+            updated = self.scheduler.postprocess(scheduled, output.token_ids)
+            self.stats.num_steps += 1
+            self.stats.num_generated_tokens += len(updated)
+            # updated holds one request per sampling row, in the runner's row order.
+            deltas = []
+            for req, logprob in zip(updated, output.logprobs, strict=True):
+                if req.error is not None:
+                    self._forget(req)
+                    self.failures.append((req.request_id, req.error))
+                else:
+                    deltas.append(self._delta(req, logprob))
         return deltas
 
     def _delta(self, req: Request, logprob: PositionLogprobs | None) -> GenerateDelta:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from replicas.engine.batch_builder import BatchBuilder, sampling_rows
+from replicas.engine.phases import phase
 from replicas.engine.scheduler import ScheduledRequest
 from replicas.kernels.paged_attention import uses_native_attention
 from replicas.models.forward_batch import ForwardBatch
@@ -53,24 +54,27 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
         """One forward over the step; samples one token per sampling row, in scheduled order."""
-        batch = self.prepare(scheduled)
-        if self.linear_states is None:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch)  # [T, hidden]
-            last_hidden = None
-            sample_hidden = hidden[batch.logits_indices]  # [R, hidden]
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch,
-                                self._linear_state(scheduled, batch)) if batch.input_ids.numel() else None
-            last_hidden = self._last_hidden(hidden, batch, scheduled)  # [S, hidden]
-            sample_hidden = last_hidden[[i for i, item in enumerate(scheduled) if item.samples]]
-        prompt_logprobs = self._prompt_logprobs(hidden, scheduled) if hidden is not None else {}
-        if sample_hidden.shape[0] == 0:
-            return ModelRunnerOutput([], [], prompt_logprobs, last_hidden)
-        logits = self.model.compute_logits(sample_hidden)  # [R, vocab] float32
-        sampling_requests = [item.request for item in scheduled if item.samples]
-        sampled = self.sampler(logits, sampling_rows(sampling_requests))
-        for row, error in sampled.errors.items():
-            sampling_requests[row].error = error  # the scheduler ends it alone (Scheduler.postprocess)
+        with phase("build"):
+            batch = self.prepare(scheduled)
+        with phase("forward"):
+            if self.linear_states is None:
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch)  # [T, hidden]
+                last_hidden = None
+                sample_hidden = hidden[batch.logits_indices]  # [R, hidden]
+            else:
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch,
+                                    self._linear_state(scheduled, batch)) if batch.input_ids.numel() else None
+                last_hidden = self._last_hidden(hidden, batch, scheduled)  # [S, hidden]
+                sample_hidden = last_hidden[[i for i, item in enumerate(scheduled) if item.samples]]
+            prompt_logprobs = self._prompt_logprobs(hidden, scheduled) if hidden is not None else {}
+            if sample_hidden.shape[0] == 0:
+                return ModelRunnerOutput([], [], prompt_logprobs, last_hidden)
+            logits = self.model.compute_logits(sample_hidden)  # [R, vocab] float32
+        with phase("sample"):
+            sampling_requests = [item.request for item in scheduled if item.samples]
+            sampled = self.sampler(logits, sampling_rows(sampling_requests))
+            for row, error in sampled.errors.items():
+                sampling_requests[row].error = error  # the scheduler ends it alone (Scheduler.postprocess)
         return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs, last_hidden)
 
     @staticmethod
