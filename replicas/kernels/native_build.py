@@ -1,7 +1,12 @@
-"""The one build helper of Tether's native CPU ops: C++ sources -> a Python module, through
+"""The one build helper of Tether's native CPU ops: C++ sources -> a library of torch ops, through
 torch.utils.cpp_extension, once per host.
 
-    load_native(name, sources) -> module | None
+    load_native(name, sources, fakes) -> torch.ops.tether | None
+
+Every library registers its ops in the one namespace `tether` (TORCH_LIBRARY_FRAGMENT), so they go through
+torch's dispatcher like any aten op: torch.profiler sees them, and with their fake implementations (`fakes`:
+op name -> a function of the same arguments returning empty outputs of the right shapes, registered here
+once) torch.compile can trace a model that calls them.
 
 Every source compiles with INCLUDE_DIR (replicas/kernels/include: tether_vec.h, the vector layer the kernels
 share) on its include path. A build lands in <cache_dir>/native/<name>-<ISA level>-torch<version>-<digest>, where
@@ -22,7 +27,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from types import ModuleType
+from typing import Callable
 
 from core.env import cache_dir, native_disabled
 from replicas.cpu_isa import compiler_flags, cpu_isa
@@ -31,14 +36,17 @@ logger = logging.getLogger("ray.serve")  # Serve configures it in replicas: thes
 INCLUDE_DIR = Path(__file__).with_name("include")  # headers shared by every native op
 
 
-def load_native(name: str, sources: list[Path], is_python_module: bool = True) -> ModuleType | str | None:
-    """The built module `name` of `sources` (C++ with a PYBIND11_MODULE), or None (see module doc).
-    is_python_module=False: sources that register torch ops (TORCH_LIBRARY) -> the library's path."""
-    return _load_native(name, tuple(Path(source).resolve() for source in sources), is_python_module)
+def mutates_only(*args) -> None:
+    """The fake of an op that writes into its arguments and returns nothing."""
 
 
-@functools.cache  # per process: one build check, one warning
-def _load_native(name: str, sources: tuple[Path, ...], is_python_module: bool) -> ModuleType | str | None:
+def load_native(name: str, sources: list[Path], fakes: dict[str, Callable] | None = None):
+    """torch.ops.tether once the library `name` of `sources` is built and loaded, or None (see module doc)."""
+    return _load_native(name, tuple(Path(source).resolve() for source in sources), tuple((fakes or {}).items()))
+
+
+@functools.cache  # per process: one build check, one warning, one registration of the fakes
+def _load_native(name: str, sources: tuple[Path, ...], fakes: tuple[tuple[str, Callable], ...]):
     reason = _unavailable_reason()
     if reason:
         (logger.info if reason.startswith("TETHER_NATIVE") else logger.warning)(
@@ -69,14 +77,14 @@ def _load_native(name: str, sources: tuple[Path, ...], is_python_module: bool) -
             start = time.perf_counter()
             if builds:
                 logger.info("building native op %s for ISA %s (once per host, into %s)", name, cpu_isa(), build_dir)
-            module = cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=flags,
-                                        extra_include_paths=[str(INCLUDE_DIR)], build_directory=str(build_dir),
-                                        verbose=False, is_python_module=is_python_module)
-            if not is_python_module:
-                module = str(build_dir / f"{name}.so")
+            cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=flags,
+                               extra_include_paths=[str(INCLUDE_DIR)], build_directory=str(build_dir),
+                               verbose=False, is_python_module=False)  # loads the library: its ops register
             if builds:
                 logger.info("built native op %s in %.1f s", name, time.perf_counter() - start)
-        return module
+        for op, fake in fakes:
+            torch.library.register_fake(f"tether::{op}")(fake)
+        return torch.ops.tether
     except Exception as e:  # compiler error, missing headers, unwritable cache: keep the PyTorch path
         detail = str(e).strip()
         logger.warning("native op %s not used: its build failed (%s): %s; keeping the PyTorch path", name,

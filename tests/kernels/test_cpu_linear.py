@@ -554,3 +554,20 @@ def test_moe_decode_on_the_native_kernel(dtype, shared):
     for t in range(x.shape[0]):  # float32: the router's one-row matmul (MKL) rounds apart from the batched one
         assert torch.equal(alone[t][0], native[t]) if dtype == torch.bfloat16 else \
             torch.allclose(alone[t][0], native[t], atol=1e-5, rtol=1e-5)
+
+
+# ---- the native ops as torch ops: schemas and fake implementations (what torch.compile traces)
+
+@needs_native_int4
+@needs_native_int8
+@needs_native_experts
+def test_the_native_ops_are_torch_ops_with_fake_implementations():
+    q, scale, offset, _ = groups(8, 64)
+    torch.library.opcheck(native_int4().int4_pack.default, (q,))
+    x = torch.randn(3, 64)
+    for out_float32 in (True, False):
+        torch.library.opcheck(native_int4().int4_linear.default, (x, pack_int4(q), scale, offset, G, out_float32))
+    q8, scale8 = q8_groups(8, 64)
+    torch.library.opcheck(native_int8().int8_linear.default, (x, q8, scale8, G, torch.empty(3, 8)))
+    w, expert = torch.randn(4, 8, 64), torch.tensor([0, 3, 3])
+    torch.library.opcheck(native_experts().expert_linear.default, (x, w, expert, torch.empty(3, 8)))

@@ -93,3 +93,17 @@ def test_apply_token_bitmask(vocab):
     fused_cpu.apply_token_bitmask_(logits, bitmask, listed)
     assert torch.equal(logits, expected)
     assert torch.isinf(logits[2, :16 * (words // 2)]).all() and not torch.isinf(logits[3]).any()
+
+
+def test_the_native_ops_are_torch_ops_with_fake_implementations():
+    """torch.library.opcheck: the schemas say what each op writes, and the fake implementations (what
+    torch.compile traces) give what the ops give."""
+    ops = fused_cpu.fused_ops()
+    x, residual, weight = torch.randn(3, 64), torch.randn(3, 64), torch.rand(64) + 0.5
+    torch.library.opcheck(ops.rms_norm.default, (torch.empty(3, 64), x, weight, 1e-5))
+    torch.library.opcheck(ops.add_rms_norm.default, (torch.empty(3, 64), residual, x, weight, 1e-5))
+    torch.library.opcheck(ops.silu_and_mul.default, (torch.empty(3, 32), x))
+    cos, sin = torch.rand(8, 16), torch.rand(8, 16)
+    torch.library.opcheck(ops.rotary_embedding.default, (torch.randn(3, 2, 16), torch.tensor([0, 3, 7]), cos, sin))
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 2), dtype=torch.int32)
+    torch.library.opcheck(ops.apply_token_bitmask.default, (torch.randn(3, 64), bitmask, torch.tensor([0, 2])))

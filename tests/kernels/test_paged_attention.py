@@ -346,3 +346,15 @@ if __name__ == "__main__":
     import sys
 
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_the_native_ops_are_torch_ops_with_fake_implementations(ops):
+    """torch.library.opcheck: the schemas say what each op writes, and the fake implementations (what
+    torch.compile traces) give what the ops give."""
+    q, k_cache, v_cache, qsl, seq_lens, block_table, _ = make_step([(9, 1), (0, 5)], SMOL_H, SMOL_HKV, SMOL_D, 16,
+                                                                   torch.float32)
+    k_cache, v_cache = k_cache.nan_to_num(), v_cache.nan_to_num()  # opcheck compares inputs before and after
+    torch.library.opcheck(ops.paged_attention.default, (torch.empty_like(q), q, k_cache, v_cache, qsl, seq_lens,
+                                                        block_table, SMOL_D ** -0.5, 0, 0.0))
+    k = torch.randn(3, SMOL_HKV, SMOL_D)
+    torch.library.opcheck(ops.store_kvcache.default, (k, k.clone(), k_cache, v_cache, torch.tensor([0, 5, -1])))

@@ -59,8 +59,8 @@ void pairs(const float* x, const w_t* w, const int64_t* expert, int64_t P, int64
 }
 
 // x [P, K] float32 | bfloat16, w [E, N, K] float32 | bfloat16 contiguous, expert [P] int64 (each < E),
-// out [P, N] float32 contiguous -> out[p] = w[expert[p]] @ x[p] (returned as well).
-torch::Tensor expert_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& expert,
+// out [P, N] float32 contiguous -> out[p] = w[expert[p]] @ x[p] (written in place).
+void expert_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& expert,
                             torch::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.is_contiguous() && w.size(2) == x.size(1),
               "expert_linear: x [P, K], w contiguous [E, N, K]");
@@ -76,19 +76,20 @@ torch::Tensor expert_linear(const torch::Tensor& x, const torch::Tensor& w, cons
   const auto ids = expert.contiguous();
   const int64_t* ep = ids.data_ptr<int64_t>();
   for (int64_t p = 0; p < P; ++p) TORCH_CHECK(ep[p] >= 0 && ep[p] < E, "expert_linear: expert id out of range");
-  if (P == 0 || N == 0) return out;
+  if (P == 0 || N == 0) return;
   const auto xf = x.contiguous().to(torch::kFloat32);  // bf16 activations widened once (exact)
   if (w.scalar_type() == torch::kFloat32)
     pairs(xf.data_ptr<float>(), w.data_ptr<float>(), ep, P, N, K, out.data_ptr<float>());
   else
     pairs(xf.data_ptr<float>(), w.data_ptr<at::BFloat16>(), ep, P, N, K, out.data_ptr<float>());
-  return out;
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "MoE experts at decode sizes: out[p] = w[expert[p]] @ x[p], float32 math";
-  m.def("expert_linear", &expert_linear, "out [P, N] float32 = per-pair expert matmul; returns out",
-        py::arg("x"), py::arg("w"), py::arg("expert"), py::arg("out"));
+TORCH_LIBRARY_FRAGMENT(tether, m) {
+  m.def("expert_linear(Tensor x, Tensor w, Tensor expert, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tether, CPU, m) {
+  m.impl("expert_linear", &expert_linear);
 }

@@ -251,15 +251,13 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "int4 weight groups x float32 / bf16 activations, decode-sized batches (float32 math)";
-  m.def("pack", &pack, "q [N, K] int32 in 0..15 -> uint8 [N rounded up to 4, K/2]", py::arg("q"));
-  m.def("int4_linear", &int4_linear, "x [M, K] @ dequant(packed, scale, offset).T -> [M, N]",
-        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::arg("group_size"),
-        py::arg("out_float32"));
-#ifdef _OPENMP
-  m.attr("openmp") = true;  // at::parallel_for uses torch's threads
-#else
-  m.attr("openmp") = false;  // built without -fopenmp: one thread
-#endif
+TORCH_LIBRARY_FRAGMENT(tether, m) {
+  m.def("int4_pack(Tensor q) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group_size, bool out_float32) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tether, CPU, m) {
+  m.impl("int4_pack", &pack);
+  m.impl("int4_linear", &int4_linear);
 }

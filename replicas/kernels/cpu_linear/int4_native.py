@@ -21,19 +21,29 @@ import torch
 SOURCE = Path(__file__).with_name("int4_gemv.cpp")
 
 
+def _fake_pack(q):
+    # q [N, K] -> uint8 [N rounded up to 4, K/2]
+    return q.new_empty(((q.shape[0] + 3) // 4 * 4, q.shape[1] // 2), dtype=torch.uint8)
+
+
+def _fake_int4_linear(x, packed, scale, offset, group_size, out_float32):
+    # x [M, K] -> [M, N]: float32, or x's dtype
+    return x.new_empty((x.shape[0], scale.shape[0]), dtype=torch.float32 if out_float32 else x.dtype)
+
+
 @functools.cache
 def native_int4():
-    """The compiled module (pack, int4_linear), or None where no compiler / build is available."""
+    """torch.ops.tether (int4_pack, int4_linear), or None where no compiler / build is available."""
     from replicas.kernels.native_build import load_native
 
-    return load_native("tether_int4_gemv", [str(SOURCE)])
+    return load_native("tether_int4_gemv", [SOURCE], {"int4_pack": _fake_pack, "int4_linear": _fake_int4_linear})
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q [N, K] int32 in 0..15 (K a multiple of 32) -> packed uint8 [N rounded up to 4, K/2]: each run of
     32 weights of a row is 16 bytes, byte j = q[32b + j] | q[32b + 16 + j] << 4, and rows go in quads,
     block b of 4 rows side by side (int4_gemv.cpp has the byte order)."""
-    return native_int4().pack(q.to(torch.int32))
+    return native_int4().int4_pack(q.to(torch.int32))
 
 
 def exact_half_scales(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

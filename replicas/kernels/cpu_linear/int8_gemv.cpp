@@ -143,8 +143,8 @@ void dispatch(int64_t M, const float* x, int64_t K, const int8_t* q, const float
 }
 
 // x [M, K] float32 | bfloat16 (any strides), q [N, K] int8 contiguous, scale [N, K/G] float32 contiguous,
-// out [M, N] float32 contiguous -> out = x @ (q * scale).T (returned as well).
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+// out [M, N] float32 contiguous -> out = x @ (q * scale).T (written in place).
+void int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                           int64_t group_size, torch::Tensor out) {
   TORCH_CHECK(x.dim() == 2, "int8_linear: x must be a [M, K] tensor");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
@@ -163,8 +163,11 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
               "int8_linear: out must be a contiguous float32 [M, N] tensor");
   TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu() && out.device().is_cpu(),
               "int8_linear: CPU tensors only");
-  if (M == 0 || N == 0) return out;
-  if (K == 0) return out.zero_();
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    out.zero_();
+    return;
+  }
   const auto xf = x.contiguous().to(torch::kFloat32);  // bf16 activations widened once (exact)
   const float* xp = xf.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
@@ -172,19 +175,14 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
   float* op = out.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)  // beyond 16 rows: passes of 16 over the weights
     dispatch(std::min(kMaxRows, M - m0), xp + m0 * K, K, qp, sp, G, op + m0 * N, N);
-  return out;
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "int8 weight groups x float32 / bf16 activations, decode-sized batches (float32 math)";
-  m.def("int8_linear", &int8_linear, "out = x [M, K] @ (q * scale).T, float32 [M, N]; returns out",
-        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("group_size"), py::arg("out"));
-  m.attr("max_rows") = kMaxRows;
-#ifdef _OPENMP
-  m.attr("openmp") = true;  // at::parallel_for uses torch's threads
-#else
-  m.attr("openmp") = false;  // built without -fopenmp: one thread
-#endif
+TORCH_LIBRARY_FRAGMENT(tether, m) {
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scale, int group_size, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tether, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
 }

@@ -31,10 +31,10 @@ _FIRST_CHUNK, _MAX_CHUNK = 64, 16384
 
 @functools.cache
 def native_int8():
-    """The compiled module (int8_linear), or None where no compiler / build is available."""
-    from replicas.kernels.native_build import load_native
+    """torch.ops.tether (int8_linear), or None where no compiler / build is available."""
+    from replicas.kernels.native_build import load_native, mutates_only
 
-    return load_native("tether_int8_gemv", [str(SOURCE)])
+    return load_native("tether_int8_gemv", [SOURCE], {"int8_linear": mutates_only})
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int = GROUP_SIZE,
@@ -43,7 +43,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_siz
     x @ (q * scale).T as float32 [M, N] (into `out` when given: contiguous float32 [M, N])."""
     if out is None:
         out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32)
-    return native_int8().int8_linear(x, q, scale, group_size, out)
+    native_int8().int8_linear(x, q, scale, group_size, out)
+    return out
 
 
 def eight_bit_groups(weight: torch.Tensor, group_size: int = GROUP_SIZE):
@@ -140,7 +141,8 @@ class Int8Linear(nn.Module):
         if x.dim() != 2 or x.shape[0] > self.max_rows:
             return self.dense(x)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        return self.ops.int8_linear(x, self.q, self.scale, self.group_size, out)
+        self.ops.int8_linear(x, self.q, self.scale, self.group_size, out)
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 groups of " \

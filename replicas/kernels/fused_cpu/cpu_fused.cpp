@@ -1,4 +1,4 @@
-// Fused small ops of a decoder layer on CPU, registered as torch.ops.tether_fused.*: each replaces 4-8
+// Fused small ops of a decoder layer on CPU, registered as torch.ops.tether.*: each replaces 4-8
 // PyTorch ops (and their dispatch and temporaries) with one pass over the rows. References: naive.py.
 //
 //   rms_norm(out, x, weight, eps)                  out = cast(cast(x / rms(x)) * weight)
@@ -171,7 +171,7 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at:
 }  // namespace
 }  // namespace tether
 
-TORCH_LIBRARY(tether_fused, m) {
+TORCH_LIBRARY_FRAGMENT(tether, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor h, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) qk, Tensor positions, Tensor cos, Tensor sin) -> ()");
@@ -179,7 +179,7 @@ TORCH_LIBRARY(tether_fused, m) {
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tether_fused, CPU, m) {
+TORCH_LIBRARY_IMPL(tether, CPU, m) {
   m.impl("rms_norm", &tether::rms_norm);
   m.impl("add_rms_norm", &tether::add_rms_norm);
   m.impl("rotary_embedding", &tether::rotary_embedding);

@@ -20,7 +20,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: a third of the compile time
+#include <torch/library.h>  // not torch/extension.h: a third of the compile time
 
 #include <algorithm>
 #include <atomic>
@@ -505,8 +505,13 @@ void store_kvcache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
   });
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "varlen paged attention (decode rows and prefill chunks)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("store_kvcache", &store_kvcache, "k, v rows -> their cache slots", py::call_guard<py::gil_scoped_release>());
+TORCH_LIBRARY_FRAGMENT(tether, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
+        "Tensor seq_lens, Tensor block_table, float scale, int sliding_window, float softcap) -> ()");
+  m.def("store_kvcache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tether, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("store_kvcache", &store_kvcache);
 }

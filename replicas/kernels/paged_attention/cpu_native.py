@@ -12,19 +12,21 @@ native_ops() is None where the op cannot be built (see native_build); callers th
 
 import functools
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
-from replicas.kernels.native_build import load_native
+from replicas.kernels.native_build import load_native, mutates_only
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 
 
+FAKES = {"paged_attention": mutates_only, "store_kvcache": mutates_only}
+
+
 @functools.cache  # load_native resolves the source path on every call: ~10 us, per layer call
-def native_ops() -> ModuleType | None:
-    """The built module (paged_attention, store_kvcache), or None. The first call on a host builds it."""
-    return load_native("tether_paged_attention", [SOURCE])
+def native_ops():
+    """torch.ops.tether (paged_attention, store_kvcache), or None. The first call on a host builds it."""
+    return load_native("tether_paged_attention", [SOURCE], FAKES)
 
 
 def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
