@@ -25,5 +25,5 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor) ->
     """x [P, K] float32 | bf16, w [E, N, K] contiguous float32 | bf16, expert_ids [P] int64
     -> [P, N] float32, row p = w[expert_ids[p]] @ x[p]."""
     out = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32)
-    native_experts().expert_linear(x, w, expert_ids, out)
+    torch.ops.tether.expert_linear(x, w, expert_ids, out)
     return out

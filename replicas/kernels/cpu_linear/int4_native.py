@@ -43,7 +43,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q [N, K] int32 in 0..15 (K a multiple of 32) -> packed uint8 [N rounded up to 4, K/2]: each run of
     32 weights of a row is 16 bytes, byte j = q[32b + j] | q[32b + 16 + j] << 4, and rows go in quads,
     block b of 4 rows side by side (int4_gemv.cpp has the byte order)."""
-    return native_int4().int4_pack(q.to(torch.int32))
+    return torch.ops.tether.int4_pack(q.to(torch.int32))
 
 
 def exact_half_scales(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +61,6 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs
     (or both float16, see exact_half_scales) -> x @ w.T [M, N], float32 if out_float32 else x's dtype.
     x of any leading shape [..., K] is flattened to rows and the output reshaped back to [..., N]."""
     if x.dim() == 2:  # the decode path: straight to C++ (~1 us a call; Python reshapes cost ~2 more)
-        return native_int4().int4_linear(x, packed, scale, offset, group_size, out_float32)
-    out = native_int4().int4_linear(x.reshape(-1, x.shape[-1]), packed, scale, offset, group_size, out_float32)
+        return torch.ops.tether.int4_linear(x, packed, scale, offset, group_size, out_float32)
+    out = torch.ops.tether.int4_linear(x.reshape(-1, x.shape[-1]), packed, scale, offset, group_size, out_float32)
     return out.view(*x.shape[:-1], scale.shape[0])

@@ -43,7 +43,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_siz
     x @ (q * scale).T as float32 [M, N] (into `out` when given: contiguous float32 [M, N])."""
     if out is None:
         out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32)
-    native_int8().int8_linear(x, q, scale, group_size, out)
+    torch.ops.tether.int8_linear(x, q, scale, group_size, out)
     return out
 
 
@@ -113,8 +113,7 @@ class Int8Linear(nn.Module):
         self.dense = dense
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.group_size = self.in_features // scale.shape[1]
-        self.ops = native_int8()
-        self.max_rows = max_rows if self.ops is not None else 0
+        self.max_rows = max_rows if native_int8() is not None else 0  # 0: every batch takes `dense`
         self.register_buffer("q", q.to(torch.int8).contiguous(), persistent=False)
         self.register_buffer("scale", scale.float().contiguous(), persistent=False)
 
@@ -141,7 +140,7 @@ class Int8Linear(nn.Module):
         if x.dim() != 2 or x.shape[0] > self.max_rows:
             return self.dense(x)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        self.ops.int8_linear(x, self.q, self.scale, self.group_size, out)
+        torch.ops.tether.int8_linear(x, self.q, self.scale, self.group_size, out)
         return out
 
     def extra_repr(self) -> str:

@@ -8,6 +8,8 @@ straight from the block tables (no gather, no padding, no mask tensor); its spec
     cpu_store_kvcache(k, v, k_cache, v_cache, slot_mapping)            k, v: [T, Hkv, D]
 
 native_ops() is None where the op cannot be built (see native_build); callers then keep the PyTorch path.
+Once it said the op is there, the wrappers call torch.ops.tether.* directly, not through the cached getter,
+so torch.compile traces them without a graph break.
 """
 
 import functools
@@ -40,7 +42,7 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert q.shape[2] == k_cache.shape[3] and q.shape[2] % 16 == 0 and q.shape[1] % k_cache.shape[2] == 0
     assert query_start_loc.dtype == seq_lens.dtype == block_table.dtype == torch.int32
     out = torch.empty_like(q)
-    native_ops().paged_attention(out, q, k_cache, v_cache, query_start_loc.contiguous(), seq_lens.contiguous(),
+    torch.ops.tether.paged_attention(out, q, k_cache, v_cache, query_start_loc.contiguous(), seq_lens.contiguous(),
                                  block_table.contiguous(), float(scale), int(sliding_window), float(softcap))
     return out
 
@@ -50,4 +52,4 @@ def cpu_store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
     # k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; slot_mapping: [T] int64, < 0 = skip
     assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype, (k.dtype, k_cache.dtype)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    native_ops().store_kvcache(k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping.long().contiguous())
+    torch.ops.tether.store_kvcache(k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping.long().contiguous())
