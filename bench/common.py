@@ -10,6 +10,8 @@ import statistics
 import time
 from pathlib import Path
 
+from testing.chat import chat_ids  # noqa: F401  (the scripts' prompts, as the tests render them)
+
 ROOT = Path(__file__).resolve().parents[1]  # the repository root: subprocesses' cwd, Serve actors' PYTHONPATH
 
 QUESTIONS = ["What is the capital of France?", "Explain photosynthesis to a child.",
@@ -25,13 +27,6 @@ def user_turn(conversation: int, turn: int) -> str:
     return (f"Conversation {conversation}, turn {turn + 1}. I am writing a short travel guide and need help with "
             f"a section about {topic}. Please describe two famous examples of {topic}, say where each one is, "
             f"why visitors like it, and one practical tip for a first visit, in plain and friendly words.")
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    """The prompt ids of a one-message chat, generation prompt included (a Hugging Face tokenizer)."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def cpu_model() -> str:

@@ -62,6 +62,12 @@ class EngineConfig(BaseModel):
                                                 "Q4_0 / Q4_1) run decode batches on those groups, exactly: the native "
                                                 "kernel up to 4 rows in bfloat16 and 8 in float32, else torch's int4 "
                                                 "kernel in bfloat16 up to 2 rows (replicas/kernels/cpu_linear/int4.py).")
+    batch_invariant: bool = Field(True, description="CPU: every kernel sums each row in an order of its own, so "
+                                  "a request's tokens do not depend on what else its steps hold, on chunking, "
+                                  "preemption or the prefix cache (every linear on the fixed-order kernel, "
+                                  "replicas/kernels/cpu_linear/invariant_gemm.cpp; int4 / int8 decode kernels off; "
+                                  "attention split by key position only). Needs the native ops; without them, off "
+                                  "(logged). MoE experts and hybrid recurrent layers are not covered yet.")
 
     @model_validator(mode="after")
     def _budget_covers_a_decode_batch(self):

@@ -118,4 +118,5 @@ def compute_identity(device: torch.device, config) -> str:
 
     where = f"cpu:{cpu_isa()}" if device.type == "cpu" else device.type
     return json.dumps({"device": where, "native": config.native_kernels, "packed": config.pack_weights,
-                       "int4_decode": config.int4_decode}, sort_keys=True)
+                       "int4_decode": config.int4_decode, "batch_invariant": config.batch_invariant},
+                      sort_keys=True)

@@ -27,10 +27,11 @@ from replicas.sampling.batch import SamplingRow
 
 
 class BatchBuilder:
-    def __init__(self, block_size: int, device: torch.device, build_groups: bool):
+    def __init__(self, block_size: int, device: torch.device, build_groups: bool, batch_invariant: bool = False):
         self.block_size = block_size
         self.device = device
         self.build_groups = build_groups
+        self.batch_invariant = batch_invariant  # the loader put every linear on the fixed-order kernel
         self._allocate(num_tokens=256, num_seqs=16, num_blocks=64)
 
     def _allocate(self, num_tokens: int, num_seqs: int, num_blocks: int) -> None:
@@ -84,7 +85,8 @@ class BatchBuilder:
             slot_mapping=to(self.tokens[2, :num_tokens]), cu_seqlens=to(self.seqs[0, :num_seqs + 1]),
             groups=groups, logits_indices=to(self.seqs[2, :num_sampling]),
             query_start_loc=to(self.seqs32[0, :num_seqs + 1]), seq_lens=to(self.seqs32[1, :num_seqs]),
-            block_table=to(block_table), mrope_positions=to(mrope) if mrope is not None else None)
+            block_table=to(block_table), mrope_positions=to(mrope) if mrope is not None else None,
+            batch_invariant=self.batch_invariant)
 
     @staticmethod
     def _mrope_positions(scheduled, starts, ends, cu_seqlens, positions) -> torch.Tensor | None:

@@ -54,7 +54,8 @@ class Engine:
         self.model, self.model_config = load_model(config.model, self.dtype, self.device,
                                                      pack_weights=config.pack_weights,
                                                      int4_decode=config.int4_decode,
-                                                     native=config.native_kernels)
+                                                     native=config.native_kernels,
+                                                     batch_invariant=config.batch_invariant)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config, config.model)
         self.token_texts = TokenTexts(self.tokenizer)

@@ -49,7 +49,8 @@ class ModelRunner:
         self.sampler = Sampler(grammars)
         self.vision = vision  # replicas/engine/vision_encoder.py VisionEncoder, for a model that takes images
         # The PyTorch attention path's padded groups are built only where no native attention op runs.
-        self.batch_builder = BatchBuilder(block_size, device, build_groups=not uses_native_attention(model, device))
+        self.batch_builder = BatchBuilder(block_size, device, build_groups=not uses_native_attention(model, device),
+                                          batch_invariant=bool(getattr(model, "batch_invariant", False)))
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:

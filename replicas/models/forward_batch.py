@@ -23,3 +23,5 @@ class ForwardBatch:
     mrope_positions: torch.Tensor | None = None  # [3, T] int64
     # Image tokens of the step: their rows and the vision features that replace their embeddings.
     image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # rows [K] int64, features [K, hidden]
+    # engine.batch_invariant: every kernel reduces each row in an order that depends on that row alone
+    batch_invariant: bool = False

@@ -15,6 +15,8 @@ from replicas.cpu_isa import cpu_isa
 from replicas.kernels.cpu_linear import PackedLinear, can_pack, pack_linears
 from replicas.kernels.cpu_linear.int4 import find_four_bit_linears, int4_backend, use_int4_linears
 from replicas.kernels.cpu_linear.int8_native import Int8Linear
+from replicas.kernels.cpu_linear.invariant_native import (InvariantInt8Linear, InvariantLinear, native_invariant,
+                                                          use_invariant_linears)
 from replicas.kernels.paged_attention import can_use_native_attention
 from replicas.models.gemma3 import Gemma3ForCausalLM
 from replicas.models.layers import MergedLinear, use_native_ops
@@ -48,14 +50,16 @@ def load_config(model_dir: str | Path):
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_weights: bool = False,
-               int4_decode: bool = False, native: bool = False):
+               int4_decode: bool = False, native: bool = False, batch_invariant: bool = False):
     """-> (model, config). On CPU, each path is chosen by what the host supports (replicas/cpu_isa.py) and
     logged once:
     - `pack_weights`: every linear layer's weight reordered once for oneDNN (bfloat16 ones where the ISA
       allows; replicas/kernels/cpu_linear: the same results, faster matmuls);
     - `int4_decode`: layers whose checkpoint weights are 4-bit groups also keep them as such for
       decode-sized batches (replicas/kernels/cpu_linear/int4.py: the native kernel, else torch's in bf16);
-    - `native`: the native attention op and the fused norm / rotary / activation ops where they build."""
+    - `native`: the native attention op and the fused norm / rotary / activation ops where they build;
+    - `batch_invariant` (with `native`): every linear on the fixed-order kernel (no packing, no int4 / int8
+      decode), attention split by key position only; `model.batch_invariant` says whether it holds."""
     config = load_config(model_dir)
     arch = check_architecture(getattr(config, "architectures", None))  # the clear refusal, with the closest family
     with torch.device("meta"):
@@ -63,17 +67,24 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     model = model.to_empty(device=device)
     model.tie_weights()
     _load_weights(model, Path(model_dir))
-    int4 = int4_backend(device, dtype, native) if int4_decode else None
+    invariant = batch_invariant and _can_run_invariant(device, native)
+    int4 = int4_backend(device, dtype, native) if int4_decode and not invariant else None
     four_bit = find_four_bit_linears(model) if int4 else {}  # before the cast rounds the weights
     head_weight = model.lm_head.weight.detach().clone()  # the checkpoint's, in float32: before the cast rounds it
     model = model.to(dtype)
     _float32_head(model, head_weight)
     _init_buffers(model, config, device)  # after the cast: rotary tables stay float32
-    if pack_weights and can_pack(device):
-        pack_linears(model)  # last: merged projections and the float32 head are final by now
-    int8_head = Int8Linear.from_weight(model.lm_head, head_weight) if native and device.type == "cpu" else None
-    if int8_head is not None:  # a Q8_0 head (the default SmolLM2's): its exact weights at a quarter of the bytes
-        model.lm_head = int8_head
+    model.batch_invariant = invariant
+    # A Q8_0 head (the default SmolLM2's) keeps its exact 8-bit weights: a quarter of float32's bytes.
+    if invariant:
+        int8_head = InvariantInt8Linear.from_weight(head_weight)
+        model.lm_head = int8_head or model.lm_head
+        use_invariant_linears(model)  # last: merged projections and the float32 head are final by now
+    else:
+        if pack_weights and can_pack(device):
+            pack_linears(model)
+        int8_head = Int8Linear.from_weight(model.lm_head, head_weight) if native and device.type == "cpu" else None
+        model.lm_head = int8_head or model.lm_head
     use_int4_linears(model, four_bit, native=int4 == "native")  # around the packed (or plain) layers
     # The native attention op reads the batch's block tables; the model runner builds the padded groups of
     # the PyTorch path only where this is False.
@@ -81,13 +92,27 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     num_fused = use_native_ops(model) if native and device.type == "cpu" else 0
     num_native_moe = use_native_experts(model) if native and device.type == "cpu" else 0
     if device.type == "cpu":
-        logger.info("CPU paths (ISA %s, %s): packed linears %d, int4 layers %d (%s), head %s, attention %s, "
-                    "fused ops %s, MoE decode %s", cpu_isa(), str(dtype).removeprefix("torch."),
-                    sum(isinstance(m, PackedLinear) for m in model.modules()), len(four_bit), int4 or "off",
+        logger.info("CPU paths (ISA %s, %s): batch invariant %s, packed linears %d, fixed-order linears %d, "
+                    "int4 layers %d (%s), head %s, attention %s, fused ops %s, MoE decode %s", cpu_isa(),
+                    str(dtype).removeprefix("torch."), "on" if invariant else "off",
+                    sum(isinstance(m, PackedLinear) for m in model.modules()),
+                    sum(isinstance(m, InvariantLinear) for m in model.modules()), len(four_bit), int4 or "off",
                     "int8 (native)" if int8_head is not None else "float32",
                     "native" if model.native_attention else "pytorch", "native" if num_fused else "pytorch",
                     f"native ({num_native_moe} layers)" if num_native_moe else "grouped matmul")
     return model.eval(), model.config  # a multimodal checkpoint's: its language model's config
+
+
+def _can_run_invariant(device: torch.device, native: bool) -> bool:
+    """Batch invariance needs the fixed-order linear and the native attention op (the PyTorch paths' reduction
+    orders follow the batch); where they are missing the engine runs without it, and says so."""
+    if device.type != "cpu":
+        logger.warning("batch_invariant: CPU only for now; off on %s", device.type)
+        return False
+    if not native or native_invariant() is None or not can_use_native_attention(device):
+        logger.warning("batch_invariant: off, the native ops are %s", "turned off" if not native else "not built")
+        return False
+    return True
 
 
 def checkpoint_names(model: torch.nn.Module) -> set[str]:

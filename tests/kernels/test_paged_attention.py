@@ -9,7 +9,9 @@
   through each. Every cache slot no sequence owns holds NaN, and block-table entries past a sequence's blocks
   are -1, so a kernel that reads a key it should not fails loudly. float32 must agree to 1e-5; bfloat16 to
   one bf16 rounding of the output (both sides compute in float32 from the same bf16 inputs: |diff| <= 2^-7
-  |ref| + 1e-5). Skipped where the op is not built here;
+  |ref| + 1e-5). Skipped where the op is not built here. Its batch-invariant mode (invariant=True) meets the
+  same tolerances, and a row's bits there are the same whatever else is in the call: the sequence alone, one
+  query at a time (decode), prefill chunks of other sizes, all sequences in one mixed call, 1, 2 or 3 threads;
 - the Triton decode kernel and store_kvcache (triton_decode.py, triton_store.py) vs naive_paged_decode_attention
   and naive's store_kvcache: compiled on CUDA, elsewhere under Triton's interpreter (TRITON_INTERPRET=1, CPU
   tensors), so CI checks them too; skipped where triton does not import. Awkward shapes: scattered blocks,
@@ -32,6 +34,7 @@ from tests.kernels.test_gated_delta_rule import assert_close
 
 H, HKV, D, BLOCK = 6, 2, 16, 4
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+INVARIANT = [pytest.param(False, id="fast"), pytest.param(True, id="invariant")]  # the native op's two modes
 
 
 # ---- the PyTorch path vs dense attention per sequence
@@ -163,31 +166,34 @@ def check_close(got: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def run_both(seqs, num_heads=SMOL_H, num_kv_heads=SMOL_HKV, head_dim=SMOL_D, block_size=16, dtype=torch.float32,
-             sliding_window=0, softcap=0.0, seed=0):
+             sliding_window=0, softcap=0.0, seed=0, invariant=False):
     q, k_cache, v_cache, qsl, seq_lens, block_table, _ = make_step(seqs, num_heads, num_kv_heads, head_dim,
                                                                    block_size, dtype, seed)
     args = (q, k_cache, v_cache, qsl, seq_lens, block_table, head_dim ** -0.5, sliding_window, softcap)
-    return cpu_paged_attention(*args), naive_varlen_attention(*args)
+    return cpu_paged_attention(*args, batch_invariant=invariant), naive_varlen_attention(*args)
 
 
+@pytest.mark.parametrize("invariant", INVARIANT)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [4, 16, 32], ids=lambda b: f"block{b}")
-def test_block_edges(ops, block_size, dtype):
+def test_block_edges(ops, block_size, dtype, invariant):
     """Prompts of 1, 15, 16, 17, 33 tokens from scratch, and decode rows ending on each side of a block edge."""
     seqs = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33), (14, 1), (15, 1), (16, 1), (32, 1)]
-    check_close(*run_both(seqs, block_size=block_size, dtype=dtype))
+    check_close(*run_both(seqs, block_size=block_size, dtype=dtype, invariant=invariant))
 
 
+@pytest.mark.parametrize("invariant", INVARIANT)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("softcap", [0.0, 2.0], ids=["nocap", "softcap"])
 @pytest.mark.parametrize("sliding_window", [0, 8, 50], ids=["causal", "window8", "window50"])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (16, 2)], ids=["mha", "gqa3", "gqa8"])
-def test_mixed_batch(ops, num_heads, num_kv_heads, head_dim, sliding_window, softcap, dtype):
+def test_mixed_batch(ops, num_heads, num_kv_heads, head_dim, sliding_window, softcap, dtype, invariant):
     check_close(*run_both(MIXED, num_heads, num_kv_heads, head_dim, dtype=dtype, sliding_window=sliding_window,
-                          softcap=softcap, seed=head_dim + num_heads))
+                          softcap=softcap, seed=head_dim + num_heads, invariant=invariant))
 
 
+@pytest.mark.parametrize("invariant", INVARIANT)
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("seqs,num_heads,num_kv_heads,sliding_window", [
     pytest.param([(999, 1)], SMOL_H, SMOL_HKV, 0, id="decode1000"),
@@ -195,31 +201,92 @@ def test_mixed_batch(ops, num_heads, num_kv_heads, head_dim, sliding_window, sof
     pytest.param([(600, 64)], 1, 1, 450, id="chunk-window450"),  # early rows see nothing of the last partition
     pytest.param([(500, 64)], 1, 1, 0, id="chunk-causal"),
 ])
-def test_split_key_ranges(ops, seqs, num_heads, num_kv_heads, sliding_window, threads):
+def test_split_key_ranges(ops, seqs, num_heads, num_kv_heads, sliding_window, threads, invariant):
     """Fewer work items than 2x threads: long key ranges are split across threads, the partitions merged."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got, ref = run_both(seqs, num_heads, num_kv_heads, sliding_window=sliding_window, seed=threads)
+        got, ref = run_both(seqs, num_heads, num_kv_heads, sliding_window=sliding_window, seed=threads,
+                            invariant=invariant)
     finally:
         torch.set_num_threads(before)
     check_close(got, ref)
 
 
-def test_head_dims(ops):
+@pytest.mark.parametrize("invariant", INVARIANT)
+def test_head_dims(ops, invariant):
     """Every multiple of 16 up to 256 runs (64 and 128 are the tuned ones)."""
     for head_dim in (16, 48, 80, 96, 256):
-        check_close(*run_both(MIXED[:4], 6, 2, head_dim, sliding_window=12, seed=head_dim))
+        check_close(*run_both(MIXED[:4], 6, 2, head_dim, sliding_window=12, seed=head_dim, invariant=invariant))
+
+
+# (keys cached before the step, new tokens): a fresh prompt, decode rows, one of 1,500 keys (three canonical
+# partitions of 512, split across threads when the items are few), chunks straddling the partition edge at 512
+INVARIANT_SEQS = [(0, 40), (1499, 1), (20, 37), (300, 1), (560, 70), (5, 3), (1000, 30)]
+
+
+def calls_per_sequence(seqs, chunk: int):
+    """Each sequence's rows in calls of up to `chunk` queries (1: decode-style), one sequence per call.
+
+    -> per sequence, [(first query, last query + 1 of the sequence's, query_start_loc [2], seq_lens [1])]"""
+    calls = []
+    for cached, new in seqs:
+        ends = [(a, min(new, a + chunk)) for a in range(0, new, chunk)]
+        calls.append([(a, b, torch.tensor([0, b - a], dtype=torch.int32),
+                       torch.tensor([cached + b], dtype=torch.int32)) for a, b in ends])
+    return calls
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype,sliding_window,softcap", [
+    pytest.param(SMOL_H, SMOL_HKV, SMOL_D, torch.float32, 0, 0.0, id="gqa3-d64-fp32"),
+    pytest.param(SMOL_H, SMOL_HKV, SMOL_D, torch.bfloat16, 0, 0.0, id="gqa3-d64-bf16"),
+    pytest.param(SMOL_H, SMOL_HKV, SMOL_D, torch.bfloat16, 700, 0.0, id="gqa3-d64-bf16-window700"),
+    pytest.param(16, 2, 128, torch.bfloat16, 100, 0.0, id="gqa8-d128-bf16-window100"),
+    pytest.param(16, 2, 128, torch.float32, 0, 2.0, id="gqa8-d128-fp32-softcap"),
+    pytest.param(4, 4, 64, torch.float32, 50, 0.0, id="mha-d64-fp32-window50"),  # chunks of 7: 7 rows, padded to 8
+])
+def test_batch_invariant_rows(ops, num_heads, num_kv_heads, head_dim, dtype, sliding_window, softcap):
+    """invariant=True: every row's output has the same bits computed in one mixed call with all the sequences,
+    in a call of its sequence alone, one query at a time (decode-style calls, the keys up to that query), or in
+    prefill chunks of 7 or 64 queries, under 1, 2 and 3 threads; and still matches the reference."""
+    seqs = INVARIANT_SEQS
+    q, k_cache, v_cache, qsl, seq_lens, block_table, _ = make_step(seqs, num_heads, num_kv_heads, head_dim, 16,
+                                                                   dtype, seed=head_dim + sliding_window)
+    scale = head_dim ** -0.5
+
+    def attend(q_rows, query_start_loc, lens, table):
+        return cpu_paged_attention(q_rows, k_cache, v_cache, query_start_loc, lens, table, scale, sliding_window,
+                                   softcap, batch_invariant=True)
+
+    mixed = attend(q, qsl, seq_lens, block_table)  # [T, H, D]
+    check_close(mixed, naive_varlen_attention(q, k_cache, v_cache, qsl, seq_lens, block_table, scale,
+                                              sliding_window, softcap))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(attend(q, qsl, seq_lens, block_table), mixed), f"mixed call, {threads} threads"
+            for chunk in (1, 7, 64, max(new for _, new in seqs)):  # the last: each sequence whole, alone
+                for s, calls in enumerate(calls_per_sequence(seqs, chunk)):
+                    first = int(qsl[s])
+                    got = torch.cat([attend(q[first + a:first + b], call_qsl, call_lens, block_table[s:s + 1])
+                                     for a, b, call_qsl, call_lens in calls])
+                    assert torch.equal(got, mixed[first:int(qsl[s + 1])]), \
+                        f"sequence {s} {seqs[s]}, chunks of {chunk}, {threads} threads"
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_rejects_bad_layouts(ops):
     q, k_cache, v_cache, qsl, seq_lens, block_table, _ = make_step([(3, 2)], 4, 2, 24, 4, torch.float32)
     with pytest.raises(RuntimeError, match="multiple of 16"):  # head_dim 24
-        ops.paged_attention(torch.empty_like(q), q, k_cache, v_cache, qsl, seq_lens, block_table, 0.2, 0, 0.0)
+        ops.paged_attention(torch.empty_like(q), q, k_cache, v_cache, qsl, seq_lens, block_table, 0.2, 0, 0.0,
+                            False)
     q, k_cache, v_cache, qsl, seq_lens, block_table, _ = make_step([(3, 2)], 4, 2, 16, 4, torch.float32)
     block_table[0, 0] = 99
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.paged_attention(torch.empty_like(q), q, k_cache, v_cache, qsl, seq_lens, block_table, 0.2, 0, 0.0)
+        ops.paged_attention(torch.empty_like(q), q, k_cache, v_cache, qsl, seq_lens, block_table, 0.2, 0, 0.0,
+                            False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -355,6 +422,6 @@ def test_the_native_ops_are_torch_ops_with_fake_implementations(ops):
                                                                    torch.float32)
     k_cache, v_cache = k_cache.nan_to_num(), v_cache.nan_to_num()  # opcheck compares inputs before and after
     torch.library.opcheck(ops.paged_attention.default, (torch.empty_like(q), q, k_cache, v_cache, qsl, seq_lens,
-                                                        block_table, SMOL_D ** -0.5, 0, 0.0))
+                                                        block_table, SMOL_D ** -0.5, 0, 0.0, True))
     k = torch.randn(3, SMOL_HKV, SMOL_D)
     torch.library.opcheck(ops.store_kvcache.default, (k, k.clone(), k_cache, v_cache, torch.tensor([0, 5, -1])))

@@ -11,7 +11,8 @@
     store_kvcache(k, v, k_cache, v_cache, slot_mapping, native=False)                         k, v: [T, Hkv, D]
 
 `batch` is the step's ForwardBatch (replicas/models/forward_batch.py): `groups`, or, where they are None,
-`query_start_loc`, `seq_lens` and `block_table` for the native op.
+`query_start_loc`, `seq_lens` and `block_table` for the native op, which honours `batch_invariant` (each row's
+bits independent of the rest of the batch; see cpu_native.py).
 """
 
 import functools
@@ -54,7 +55,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] -> out: [T, H, D]
     if batch.groups is None:
         return cpu_paged_attention(q.contiguous(), k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
-                                   batch.block_table, scale, sliding_window, softcap)
+                                   batch.block_table, scale, sliding_window, softcap,
+                                   getattr(batch, "batch_invariant", False))
     if sliding_window or softcap:  # the reference: correct on any device, a loop over sequences
         return naive_varlen_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
                                       scale, sliding_window, softcap)

@@ -17,6 +17,25 @@
 // Threads pull items, most expensive first, from an atomic counter. With fewer items than 2x threads (decode
 // of one or two long sequences), long key ranges are split into partitions; each leaves (max, sum, acc) per
 // row, and the thread that finishes a split's last partition merges them.
+//
+// Batch-invariant mode (`invariant`, engine.batch_invariant): a row's output bits are a function of its query,
+// its sequence's keys and values up to its position, the window, scale and softcap only; not of the other rows
+// and sequences in the call, of the chunk the row arrives in, or of the thread count. So a token's attention
+// is the same computed in decode, in a prefill chunk of any split, or recomputed after a preemption. Three
+// things make that so:
+//   - one arithmetic per row in both layouts: a row's scores are sum_d k[d] * q[d] as one fma per d in order
+//     (the tile path's), so small items transpose K in registers to put keys on the lanes (transposed_scores)
+//     in place of their d-chunk sums and lane-reduction tree; the rescale is exp_nonpositive in both; the
+//     softmax sums and p.V then add in the same order per row. (Decode items through the tile path instead,
+//     their head group on a tile's lanes, measured 2x the decode time; this costs a few per cent.) Nothing a
+//     row computes depends on what the other lanes or rows of its item hold;
+//   - key tiles at absolute positions (multiples of kKeyTile from key 0), so a window, which moves an item's
+//     first key with its first row, does not move tile edges. Keys a row cannot see score -inf: they leave its
+//     running max alone and add exact zeros to its sum and accumulator;
+//   - canonical partitions: the online softmax restarts at every multiple of kInvariantPartitionKeys, and each
+//     row folds its partitions' (max, sum, acc) in key order through fold_partition, then divides once, whether
+//     one item ran them one after another or a split gave them to several threads (a split then cuts at those
+//     same multiples, one partition per part). A partition a row sees nothing of folds in as exact zeros.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -43,6 +62,8 @@ constexpr int kMaxSmallRows = 8;       // items up to this many rows take the ke
 constexpr int kKeyTile = 32;           // keys per online-softmax step
 constexpr int kMaxHeadDim = 256;
 constexpr int kMinPartitionKeys = 128;  // a split key range keeps at least this many keys per partition
+constexpr int kInvariantPartitionKeys = 512;  // invariant mode: the softmax restarts at multiples of this key
+static_assert(kInvariantPartitionKeys % kKeyTile == 0, "partitions hold whole key tiles");
 constexpr int kKeyBlock = 8;  // larger items' QK: keys whose score vectors stay in registers together
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -58,6 +79,7 @@ struct Problem {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
   float scale, softcap;
   int64_t window;
+  bool invariant;  // batch-invariant mode (see the top of the file)
 };
 
 struct WorkItem {
@@ -122,9 +144,74 @@ void finish_rows(const Problem<T>& pb, const WorkItem& w, const float* acc, int 
   }
 }
 
+// Invariant mode: one partition's (m, s, a[D]) of a row folded into the row's running (max, sum, acc[D]), which
+// start at (-inf, 0, 0). A partition the row saw nothing of (m = -inf, s = 0, a = 0) leaves it as it was, bit
+// for bit; the first one the row saw is copied exactly (weights 0 and 1). Explicit fmas: the arithmetic must
+// not depend on what the compiler contracts where this is inlined.
+inline void fold_partition(float m, float s, const float* a, float& max, float& sum, float* acc, int D) {
+  const float new_max = std::max(max, m);
+  const float w_old = max == kNegInf ? 0.f : std::exp(max - new_max);
+  const float w_new = m == kNegInf ? 0.f : std::exp(m - new_max);
+  sum = std::fma(s, w_new, sum * w_old);
+  for (int d = 0; d < D; ++d) acc[d] = std::fma(a[d], w_new, acc[d] * w_old);
+  max = new_max;
+}
+
+// Invariant mode's finish: the rows' folded (max, sum, acc [rows][D]) into partial as finish_rows writes it (a
+// split's part: one canonical partition, whose fold is its own state exactly), or out = acc / sum, the division
+// merge_partials ends with too.
+template <typename T>
+void finish_folded(const Problem<T>& pb, const WorkItem& w, const float* acc, int acc_stride, const float* max,
+                   const float* sum, float* partial) {
+  if (partial != nullptr) return finish_rows(pb, w, acc, acc_stride, max, sum, partial);
+  const int D = int(pb.head_dim);
+  const ItemRows<T> at(pb, w);
+  for (int m = 0; m < w.row_end - w.row_begin; ++m) {
+    T* dst = pb.out + at.offset(pb, w, m);
+    for (int d = 0; d < D; ++d) dst[d] = T(acc[m * acc_stride + d] / sum[m]);
+  }
+}
+
 // ---- small items (<= kMaxSmallRows rows): keys on the lanes, R rows (padding rows see no key)
 
+// v[0 .. VL) as the rows of a VL x VL matrix -> its transpose, in place, in registers. log2(VL) levels; the
+// level of block size b swaps, in each pair of rows (i, i + b) with i & b clear, row i's odd b-blocks with row
+// i + b's even ones (two two-vector shuffles per pair). Inlined and unrolled whole, so v stays in registers.
+[[gnu::always_inline]] inline void transpose(vf* v) {
+  const vi lane = lane_index();
+#pragma GCC unroll 4
+  for (int b = VL / 2; b >= 1; b /= 2) {
+    const vi odd = (lane & b) != 0;
+    const vi lo = odd ? lane + (VL - b) : lane, hi = odd ? lane + VL : lane + b;  // 0 .. VL-1: a, VL ..: c
+#pragma GCC unroll 16
+    for (int i = 0; i < VL; ++i) {
+      if (i & b) continue;
+      const vf a = v[i], c = v[i + b];
+      v[i] = __builtin_shuffle(a, c, lo);
+      v[i + b] = __builtin_shuffle(a, c, hi);
+    }
+  }
+}
+
+// Invariant mode's small-item scores: lane l of s[r] = q[r] . key l of the `count` keys at k_rows (lanes past
+// count score 0), summed over d in order, one fma per d: tile_scores' arithmetic, where the row is the lane and
+// the key the broadcast, so a row's scores have the same bits in either path. The keys are transposed in
+// registers, VL dims at a time (the small path's own d-chunk sums and lane-reduction tree round differently).
 template <typename T, int R>
+[[gnu::always_inline]] inline void transposed_scores(const T* const* k_rows, int count,
+                                                     const float (*q)[kMaxHeadDim], int D, vf* s) {
+  for (int r = 0; r < R; ++r) s[r] = vf{};
+  for (int d0 = 0; d0 < D; d0 += VL) {
+    vf t[VL];
+    unroll<VL>([&](auto j) { t[j] = j < count ? vload(k_rows[j] + d0) : vf{}; });
+    transpose(t);  // t[i]: dim d0 + i of the VL keys
+    unroll<VL>([&](auto i) {
+      for (int r = 0; r < R; ++r) s[r] = vfma(t[i], vset1(q[r][d0 + i]), s[r]);
+    });
+  }
+}
+
+template <typename T, int R, bool kInvariant>
 void run_small_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
   const int D = int(pb.head_dim), rows = w.row_end - w.row_begin;
   const int64_t window = pb.window;
@@ -139,62 +226,104 @@ void run_small_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
   for (int r = 0; r < R; ++r) {
     const T* src = r < rows ? pb.q + at.offset(pb, w, r) : nullptr;
     for (int d = 0; d < D; ++d) q[r][d] = src ? to_float(src[d]) * pb.scale : 0.f;
-    std::fill(acc[r], acc[r] + D, 0.f);
     pos[r] = r < rows ? at.position(pb, w, r) : -1;
-    row_max[r] = kNegInf;
-    row_sum[r] = 0.f;
   }
+  auto reset = [&] {
+    for (int r = 0; r < R; ++r) {
+      std::fill(acc[r], acc[r] + D, 0.f);
+      row_max[r] = kNegInf;
+      row_sum[r] = 0.f;
+    }
+  };
 
-  for (int j0 = w.key_begin; j0 < w.key_end; j0 += kKeyTile) {
-    const int n = std::min(kKeyTile, w.key_end - j0);
-    kv_rows(pb, w, j0, n, k_rows, v_rows);
-    for (int g = 0; g < n; g += VL) {  // scores of VL keys at a time, masked (keys past n too)
-      const int count = std::min(VL, n - g);
-      for (int j = 0; j < VL; ++j) {
-        vf dot[R] = {};
-        if (j < count) {
-          for (int d = 0; d < D; d += VL) {
-            const vf k = vload(k_rows[g + j] + d);
-            for (int r = 0; r < R; ++r) dot[r] += k * vload(q[r] + d);
+  // The online softmax over keys [j_begin, j_end), from and into (row_max, row_sum, acc).
+  auto run_keys = [&](int j_begin, int j_end) {
+    for (int j0 = j_begin; j0 < j_end; j0 += kKeyTile) {
+      const int n = std::min(kKeyTile, j_end - j0);
+      kv_rows(pb, w, j0, n, k_rows, v_rows);
+      for (int g = 0; g < n; g += VL) {  // scores of VL keys at a time, masked (keys past n too)
+        const int count = std::min(VL, n - g);
+        const vi key = lane_index() + (j0 + g);
+        if constexpr (kInvariant) {
+          vf dots[R];
+          transposed_scores<T, R>(k_rows + g, count, q, D, dots);
+          for (int r = 0; r < R; ++r) {
+            vf s = dots[r];
+            if (pb.softcap > 0.f) s = pb.softcap * tanh_approx(s * (1.f / pb.softcap));
+            vi visible = (lane_index() < count) & (key <= pos[r]);
+            if (window > 0) visible &= pos[r] - key < int32_t(window);
+            vstore(probs[r] + g, visible ? s : vset1(kNegInf));
           }
+          continue;
         }
-        for (int r = 0; r < R; ++r) vstore(parts[r] + j * VL, dot[r]);
+        for (int j = 0; j < VL; ++j) {
+          vf dot[R] = {};
+          if (j < count) {
+            for (int d = 0; d < D; d += VL) {
+              const vf k = vload(k_rows[g + j] + d);
+              for (int r = 0; r < R; ++r) dot[r] += k * vload(q[r] + d);
+            }
+          }
+          for (int r = 0; r < R; ++r) vstore(parts[r] + j * VL, dot[r]);
+        }
+        for (int r = 0; r < R; ++r) {
+          vf s = reduce_lanes(parts[r]);
+          if (pb.softcap > 0.f) s = pb.softcap * tanh_approx(s * (1.f / pb.softcap));
+          vi visible = (lane_index() < count) & (key <= pos[r]);
+          if (window > 0) visible &= pos[r] - key < int32_t(window);
+          vstore(probs[r] + g, visible ? s : vset1(kNegInf));
+        }
       }
-      const vi key = lane_index() + (j0 + g);
-      for (int r = 0; r < R; ++r) {
-        vf s = reduce_lanes(parts[r]);
-        if (pb.softcap > 0.f) s = pb.softcap * tanh_approx(s * (1.f / pb.softcap));
-        vi visible = (lane_index() < count) & (key <= pos[r]);
-        if (window > 0) visible &= pos[r] - key < int32_t(window);
-        vstore(probs[r] + g, visible ? s : vset1(kNegInf));
+      const int n_lanes = (n + VL - 1) / VL * VL;
+      for (int r = 0; r < R; ++r) {  // online softmax
+        float tile_max = kNegInf, tile_sum = 0.f;
+        for (int j = 0; j < n; ++j) tile_max = std::max(tile_max, probs[r][j]);
+        const float new_max = std::max(row_max[r], tile_max);
+        const float shift = new_max == kNegInf ? 0.f : new_max;  // a row that saw no key yet keeps p = 0
+        for (int j = 0; j < n_lanes; j += VL) {
+          const vf p = exp_nonpositive(vload(probs[r] + j) - shift);
+          vstore(probs[r] + j, p);
+        }
+        for (int j = 0; j < n; ++j) tile_sum += probs[r][j];
+        if constexpr (kInvariant)  // the tile path's rescale, bit for bit (e^-inf = 0 there too)
+          alpha[r] = exp_nonpositive(vset1(row_max[r] - shift))[0];
+        else
+          alpha[r] = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - shift);
+        row_sum[r] = row_sum[r] * alpha[r] + tile_sum;
+        row_max[r] = new_max;
+      }
+      for (int d = 0; d < D; d += VL) {  // acc = alpha * acc + p . V
+        vf a[R];
+        for (int r = 0; r < R; ++r) a[r] = vload(acc[r] + d) * alpha[r];
+        for (int j = 0; j < n; ++j) {
+          const vf v = vload(v_rows[j] + d);
+          for (int r = 0; r < R; ++r) a[r] += probs[r][j] * v;
+        }
+        for (int r = 0; r < R; ++r) vstore(acc[r] + d, a[r]);
       }
     }
-    const int n_lanes = (n + VL - 1) / VL * VL;
-    for (int r = 0; r < R; ++r) {  // online softmax
-      float tile_max = kNegInf, tile_sum = 0.f;
-      for (int j = 0; j < n; ++j) tile_max = std::max(tile_max, probs[r][j]);
-      const float new_max = std::max(row_max[r], tile_max);
-      const float shift = new_max == kNegInf ? 0.f : new_max;  // a row that saw no key yet keeps p = 0
-      for (int j = 0; j < n_lanes; j += VL) {
-        const vf p = exp_nonpositive(vload(probs[r] + j) - shift);
-        vstore(probs[r] + j, p);
-      }
-      for (int j = 0; j < n; ++j) tile_sum += probs[r][j];
-      alpha[r] = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - shift);
-      row_sum[r] = row_sum[r] * alpha[r] + tile_sum;
-      row_max[r] = new_max;
+  };
+
+  if constexpr (!kInvariant) {
+    reset();
+    run_keys(w.key_begin, w.key_end);
+    finish_rows(pb, w, &acc[0][0], kMaxHeadDim, row_max, row_sum, partial);
+  } else {  // as run_tile_item's invariant mode: canonical partitions, folded
+    float fold_acc[R][kMaxHeadDim], fold_max[R], fold_sum[R];
+    for (int r = 0; r < R; ++r) {
+      std::fill(fold_acc[r], fold_acc[r] + D, 0.f);
+      fold_max[r] = kNegInf;
+      fold_sum[r] = 0.f;
     }
-    for (int d = 0; d < D; d += VL) {  // acc = alpha * acc + p . V
-      vf a[R];
-      for (int r = 0; r < R; ++r) a[r] = vload(acc[r] + d) * alpha[r];
-      for (int j = 0; j < n; ++j) {
-        const vf v = vload(v_rows[j] + d);
-        for (int r = 0; r < R; ++r) a[r] += probs[r][j] * v;
-      }
-      for (int r = 0; r < R; ++r) vstore(acc[r] + d, a[r]);
+    for (int p0 = w.key_begin, p1; p0 < w.key_end; p0 = p1) {
+      p1 = std::min(w.key_end, (p0 / kInvariantPartitionKeys + 1) * kInvariantPartitionKeys);
+      reset();
+      run_keys(p0, p1);
+      for (int r = 0; r < rows; ++r)
+        fold_partition(row_max[r], row_sum[r], acc[r], fold_max[r], fold_sum[r], fold_acc[r], D);
     }
+    finish_folded(pb, w, &fold_acc[0][0], kMaxHeadDim, fold_max, fold_sum, partial);
   }
-  finish_rows(pb, w, &acc[0][0], kMaxHeadDim, row_max, row_sum, partial);
 }
 
 // ---- larger items: rows on the lanes, K and V widened into float tiles
@@ -208,6 +337,9 @@ struct Scratch {
   float acc[kMaxRows * kMaxHeadDim];     // [rows_pad][D]: unnormalised output
   float row_max[kMaxRows], row_sum[kMaxRows], alpha[kMaxRows];  // running max and sum, this tile's rescale
   int32_t pos[kMaxRows];  // each row's position in its sequence
+  // invariant mode: the rows' partitions folded so far (fold_partition), acc as [rows][D]
+  float fold_acc[kMaxRows * kMaxHeadDim];
+  float fold_max[kMaxRows], fold_sum[kMaxRows];
 };
 
 thread_local Scratch scratch;
@@ -227,11 +359,12 @@ inline void tile_scores(const float* q_t, const float* keys, float* scores, int 
   }
 }
 
-// acc[m][:] = alpha[m] * acc[m][:] + sum_{j < n} probs[j][m] * values[j][:] for m < rows_pad, 8 rows at a time.
+// acc[m][:] = alpha[m] * acc[m][:] + sum_{j < n} probs[j][m] * values[j][:] for m < rows_acc (a multiple of
+// 8, <= rows_pad, the row stride of probs), 8 rows at a time.
 inline void tile_accumulate(const float* probs, const float* values, const float* alpha, float* acc, int n,
-                            int rows_pad, int D) {
+                            int rows_pad, int rows_acc, int D) {
   constexpr int kRows = 8;
-  for (int m0 = 0; m0 < rows_pad; m0 += kRows) {
+  for (int m0 = 0; m0 < rows_acc; m0 += kRows) {
     for (int d0 = 0; d0 < D; d0 += VL) {
       vf a[kRows];
       for (int r = 0; r < kRows; ++r) a[r] = vload(acc + (m0 + r) * D + d0) * alpha[m0 + r];
@@ -245,26 +378,19 @@ inline void tile_accumulate(const float* probs, const float* values, const float
   }
 }
 
+// The online softmax of the item's rows over keys [j_begin, j_end), from and into sc's running state (row_max,
+// row_sum, acc). rows_pad: the score tile's width; rows_acc: the rows accumulated (a multiple of 8: padding
+// rows past them are never read).
 template <typename T>
-void run_tile_item(const Problem<T>& pb, const WorkItem& w, Scratch& sc, float* partial) {
-  const int D = int(pb.head_dim), rows = w.row_end - w.row_begin;
-  const int rows_pad = (rows + VL - 1) / VL * VL;  // score tile width
+void tile_keys(const Problem<T>& pb, const WorkItem& w, Scratch& sc, int j_begin, int j_end, int rows_pad,
+               int rows_acc, int pos_min, int pos_max) {
+  const int D = int(pb.head_dim);
   const int64_t window = pb.window;
-  const ItemRows<T> at(pb, w);
-  for (int m = 0; m < rows_pad; ++m) {
-    const T* src = m < rows ? pb.q + at.offset(pb, w, m) : nullptr;
-    for (int d = 0; d < D; ++d) sc.q_t[d * rows_pad + m] = src ? to_float(src[d]) * pb.scale : 0.f;
-    sc.pos[m] = m < rows ? at.position(pb, w, m) : -1;  // padding rows see no key where a mask applies
-    sc.row_max[m] = kNegInf;
-    sc.row_sum[m] = 0.f;
-  }
-  std::fill(sc.acc, sc.acc + rows_pad * D, 0.f);
-  const int pos_min = at.position(pb, w, 0), pos_max = at.position(pb, w, rows - 1);
   const T* k_rows[kKeyTile];
   const T* v_rows[kKeyTile];
 
-  for (int j0 = w.key_begin; j0 < w.key_end; j0 += kKeyTile) {
-    const int n = std::min(kKeyTile, w.key_end - j0);
+  for (int j0 = j_begin; j0 < j_end; j0 += kKeyTile) {
+    const int n = std::min(kKeyTile, j_end - j0);
     const int n_pad = (n + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
     kv_rows(pb, w, j0, n, k_rows, v_rows);
     for (int j = 0; j < n; ++j) {
@@ -307,21 +433,66 @@ void run_tile_item(const Problem<T>& pb, const WorkItem& w, Scratch& sc, float* 
       vstore(sc.alpha + c, alpha);
       vstore(sc.row_sum + c, vload(sc.row_sum + c) * alpha + tile_sum);
     }
-    tile_accumulate(sc.scores, sc.values, sc.alpha, sc.acc, n, rows_pad, D);
+    tile_accumulate(sc.scores, sc.values, sc.alpha, sc.acc, n, rows_pad, rows_acc, D);
   }
-  finish_rows(pb, w, sc.acc, D, sc.row_max, sc.row_sum, partial);
+}
+
+template <typename T>
+void run_tile_item(const Problem<T>& pb, const WorkItem& w, Scratch& sc, float* partial) {
+  const int D = int(pb.head_dim), rows = w.row_end - w.row_begin;
+  const int rows_pad = (rows + VL - 1) / VL * VL;  // score tile width
+  const ItemRows<T> at(pb, w);
+  for (int m = 0; m < rows_pad; ++m) {
+    const T* src = m < rows ? pb.q + at.offset(pb, w, m) : nullptr;
+    for (int d = 0; d < D; ++d) sc.q_t[d * rows_pad + m] = src ? to_float(src[d]) * pb.scale : 0.f;
+    sc.pos[m] = m < rows ? at.position(pb, w, m) : -1;  // padding rows see no key where a mask applies
+  }
+  const int pos_min = at.position(pb, w, 0), pos_max = at.position(pb, w, rows - 1);
+  auto reset = [&](int rows_acc) {
+    std::fill(sc.row_max, sc.row_max + rows_pad, kNegInf);
+    std::fill(sc.row_sum, sc.row_sum + rows_pad, 0.f);
+    std::fill(sc.acc, sc.acc + rows_acc * D, 0.f);
+  };
+  if (!pb.invariant) {
+    reset(rows_pad);
+    tile_keys(pb, w, sc, w.key_begin, w.key_end, rows_pad, rows_pad, pos_min, pos_max);
+    return finish_rows(pb, w, sc.acc, D, sc.row_max, sc.row_sum, partial);
+  }
+
+  // Invariant mode: w.key_begin is a multiple of kKeyTile (plan), and each canonical partition's state is
+  // folded into the rows' running one. The accumulation stops at the next multiple of 8 rows (the rows past
+  // it only pad the score tile); that changes no row's arithmetic.
+  const int rows_acc = (rows + 7) / 8 * 8;
+  std::fill(sc.fold_max, sc.fold_max + rows, kNegInf);
+  std::fill(sc.fold_sum, sc.fold_sum + rows, 0.f);
+  std::fill(sc.fold_acc, sc.fold_acc + rows * D, 0.f);
+  for (int p0 = w.key_begin, p1; p0 < w.key_end; p0 = p1) {
+    p1 = std::min(w.key_end, (p0 / kInvariantPartitionKeys + 1) * kInvariantPartitionKeys);
+    reset(rows_acc);
+    tile_keys(pb, w, sc, p0, p1, rows_pad, rows_acc, pos_min, pos_max);
+    for (int m = 0; m < rows; ++m)
+      fold_partition(sc.row_max[m], sc.row_sum[m], sc.acc + m * D, sc.fold_max[m], sc.fold_sum[m],
+                     sc.fold_acc + m * D, D);
+  }
+  finish_folded(pb, w, sc.fold_acc, D, sc.fold_max, sc.fold_sum, partial);
+}
+
+template <typename T, bool kInvariant>
+void run_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
+  switch (w.row_end - w.row_begin) {
+    case 1: return run_small_item<T, 1, kInvariant>(pb, w, partial);
+    case 2: return run_small_item<T, 2, kInvariant>(pb, w, partial);
+    case 3: return run_small_item<T, 3, kInvariant>(pb, w, partial);
+    case 4: return run_small_item<T, 4, kInvariant>(pb, w, partial);
+    case 5: case 6: case 7: case 8: return run_small_item<T, kMaxSmallRows, kInvariant>(pb, w, partial);
+    default: return run_tile_item(pb, w, scratch, partial);
+  }
 }
 
 template <typename T>
 void run_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
-  switch (w.row_end - w.row_begin) {
-    case 1: return run_small_item<T, 1>(pb, w, partial);
-    case 2: return run_small_item<T, 2>(pb, w, partial);
-    case 3: return run_small_item<T, 3>(pb, w, partial);
-    case 4: return run_small_item<T, 4>(pb, w, partial);
-    case 5: case 6: case 7: case 8: return run_small_item<T, kMaxSmallRows>(pb, w, partial);
-    default: return run_tile_item(pb, w, scratch, partial);
-  }
+  if (pb.invariant) return run_item<T, true>(pb, w, partial);
+  return run_item<T, false>(pb, w, partial);
 }
 
 // The partitions of one split item -> its output rows.
@@ -331,6 +502,19 @@ void merge_partials(const Problem<T>& pb, const WorkItem& w, const float* partia
   const int64_t part_stride = int64_t(kMaxRows) * (2 + D);
   const ItemRows<T> at(pb, w);
   float acc[kMaxHeadDim];
+  if (pb.invariant) {  // each part one canonical partition: folded in key order as one item folds its own
+    for (int m = 0; m < w.row_end - w.row_begin; ++m) {
+      float max = kNegInf, sum = 0.f;
+      std::fill(acc, acc + D, 0.f);
+      for (int p = 0; p < parts; ++p) {
+        const float* part = partials + p * part_stride + m * (2 + D);
+        fold_partition(part[0], part[1], part + 2, max, sum, acc, D);
+      }
+      T* dst = pb.out + at.offset(pb, w, m);
+      for (int d = 0; d < D; ++d) dst[d] = T(acc[d] / sum);
+    }
+    return;
+  }
   for (int m = 0; m < w.row_end - w.row_begin; ++m) {
     float max = kNegInf, sum = 0.f;
     for (int p = 0; p < parts; ++p) max = std::max(max, partials[p * part_stride + m * (2 + D)]);
@@ -347,9 +531,13 @@ void merge_partials(const Problem<T>& pb, const WorkItem& w, const float* partia
 }
 
 // Items: (sequence, KV head, tile of rows, the keys its rows see); long key ranges split when items are few.
+// Invariant mode: an item's first key is rounded down to a multiple of kKeyTile (tiles at absolute positions),
+// and a split cuts at every multiple of kInvariantPartitionKeys: whether and where to split may depend on the
+// batch and the threads, since a part is then exactly one canonical partition and merge_partials folds them as
+// an unsplit item does.
 std::vector<WorkItem> plan(const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs,
                            int64_t num_kv_heads, int64_t group, int64_t window, int64_t max_keys, int threads,
-                           std::vector<Split>& splits, int& num_partials) {
+                           bool invariant, std::vector<Split>& splits, int& num_partials) {
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int32_t q_len = query_start_loc[s + 1] - query_start_loc[s], seq_len = seq_lens[s];
@@ -361,7 +549,8 @@ std::vector<WorkItem> plan(const int32_t* query_start_loc, const int32_t* seq_le
     for (int64_t row_begin = 0; row_begin < rows; row_begin += tile_rows) {
       const int64_t row_end = std::min(rows, row_begin + tile_rows);
       const int64_t pos_min = seq_len - q_len + row_begin / group, pos_max = seq_len - q_len + (row_end - 1) / group;
-      const int64_t key_begin = window > 0 ? std::max<int64_t>(0, pos_min - window + 1) : 0;
+      int64_t key_begin = window > 0 ? std::max<int64_t>(0, pos_min - window + 1) : 0;
+      if (invariant) key_begin = key_begin / kKeyTile * kKeyTile;
       const int64_t cost = (row_end - row_begin + VL - 1) / VL * (pos_max + 1 - key_begin);
       for (int64_t h = 0; h < num_kv_heads; ++h)
         items.push_back({int32_t(s), int32_t(h), int32_t(row_begin), int32_t(row_end), int32_t(key_begin),
@@ -374,17 +563,20 @@ std::vector<WorkItem> plan(const int32_t* query_start_loc, const int32_t* seq_le
   std::vector<WorkItem> split_items;
   for (const WorkItem& w : items) {
     const int64_t keys = w.key_end - w.key_begin;
-    const int64_t parts = std::min(want, keys / kMinPartitionKeys);
+    const int64_t parts = invariant ? (w.key_end - 1) / kInvariantPartitionKeys -
+                                          w.key_begin / kInvariantPartitionKeys + 1  // the canonical ones it spans
+                                    : std::min(want, keys / kMinPartitionKeys);
     if (parts < 2) {
       split_items.push_back(w);
       continue;
     }
     const int64_t part_keys = ((keys + parts - 1) / parts + kKeyTile - 1) / kKeyTile * kKeyTile;
     splits.push_back({int32_t(split_items.size()), 0});
-    for (int64_t begin = w.key_begin; begin < w.key_end; begin += part_keys) {
+    for (int64_t begin = w.key_begin, end; begin < w.key_end; begin = end) {
+      end = invariant ? (begin / kInvariantPartitionKeys + 1) * kInvariantPartitionKeys : begin + part_keys;
       WorkItem part = w;
       part.key_begin = int32_t(begin);
-      part.key_end = int32_t(std::min<int64_t>(w.key_end, begin + part_keys));
+      part.key_end = int32_t(std::min<int64_t>(w.key_end, end));
       part.partial = num_partials++;
       part.split = int32_t(splits.size() - 1);
       part.cost = w.cost * (part.key_end - part.key_begin) / keys;
@@ -402,7 +594,7 @@ void attention(const Problem<T>& pb, int64_t num_seqs) {
   int num_partials = 0;
   const std::vector<WorkItem> items =
       plan(pb.query_start_loc, pb.seq_lens, num_seqs, pb.num_kv_heads, pb.group, pb.window,
-           pb.max_blocks * pb.block_size, threads, splits, num_partials);
+           pb.max_blocks * pb.block_size, threads, pb.invariant, splits, num_partials);
   if (items.empty()) return;
   // [num_partials][kMaxRows][2 + D]: uninitialised, each partition writes its rows
   const std::unique_ptr<float[]> partials(new float[size_t(num_partials) * kMaxRows * (2 + pb.head_dim)]);
@@ -435,10 +627,11 @@ void check_int32(const at::Tensor& t, const char* name, int64_t dim) {
 }  // namespace
 
 // out, q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; query_start_loc: [S + 1] int32;
-// seq_lens: [S] int32 (keys after this step); block_table: [S, max_blocks] int32.
+// seq_lens: [S] int32 (keys after this step); block_table: [S, max_blocks] int32. invariant: batch-invariant
+// mode (see the top of the file); false: the fastest order.
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
-                     double scale, int64_t sliding_window, double softcap) {
+                     double scale, int64_t sliding_window, double softcap, bool invariant) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q: [T, H, D], k_cache: [num_blocks, block_size, Hkv, D]");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &q, &k_cache, &v_cache})
     TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == q.scalar_type(),
@@ -467,7 +660,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                         query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                         block_table.data_ptr<int32_t>(),
                         H, Hkv, H / Hkv, D, block_size, max_blocks, float(scale), float(softcap),
-                        sliding_window};
+                        sliding_window, invariant};
     attention(pb, num_seqs);
   };
   if (q.scalar_type() == at::kFloat)
@@ -507,7 +700,8 @@ void store_kvcache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
 
 TORCH_LIBRARY_FRAGMENT(tether, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
-        "Tensor seq_lens, Tensor block_table, float scale, int sliding_window, float softcap) -> ()");
+        "Tensor seq_lens, Tensor block_table, float scale, int sliding_window, float softcap, bool invariant) "
+        "-> ()");
   m.def("store_kvcache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
