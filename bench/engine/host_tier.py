@@ -15,9 +15,10 @@ budget); (e) the 1x tier without packing (a raw copy); (f) a pool of W / 2, no t
 all of it pool (on CPU, what raising kv_cache_bytes instead buys). Per mode: the share of prompt tokens served from
 cache (engine counters: cached / (cached + computed)); the tier's packing ratio, its packing and restore
 costs per token (restore: unpack + write back into the pool) and its seconds on the step thread in all;
-`differ`: replies unlike mode (a)'s. The tier is lossless; on bfloat16 a reply can still differ because a
-token's numerics depend on the step's row count (4-bit decode at <= 2 rows, dense bf16 otherwise: mode (b),
-without a tier, differs too; --no-int4-decode to compare).
+`differ`: replies unlike mode (a)'s. The tier is lossless, and with engine.batch_invariant (the default) a
+token's numerics do not depend on what else its step holds, so every mode's replies equal (a)'s. With
+--no-batch-invariant a reply can differ in bfloat16 because they do (4-bit decode at <= 2 rows, dense bf16
+otherwise: mode (b), without a tier, differs too; --no-int4-decode to compare).
 """
 
 import argparse
@@ -51,7 +52,8 @@ def run_mode(model: str, args, script: dict | None = None, **engine) -> dict:
     """Runs the whole workload on a fresh engine; the next turns' prompts take the replies in `script` (the
     unbounded pool's) when given, so every mode sends the same ids. -> counters, replies, tier stats, wall time."""
     eng = Engine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.concurrency,
-                              int4_decode=not args.no_int4_decode, **engine))
+                              int4_decode=not args.no_int4_decode, batch_invariant=not args.no_batch_invariant,
+                              **engine))
     work = Workload(eng.tokenizer, args.conversations)
     replies, last_prompt_len = {}, 0
     start = time.perf_counter()
@@ -82,7 +84,8 @@ def run_mode(model: str, args, script: dict | None = None, **engine) -> dict:
 
 def prefill_ms_per_token(model: str, args, num_tokens: int, reps: int = 3) -> float:
     """Cold prefill of a `num_tokens` prompt (the workload's last-turn length), median ms per token."""
-    eng = Engine(EngineConfig(model=model, dtype=args.dtype, enable_prefix_caching=False))
+    eng = Engine(EngineConfig(model=model, dtype=args.dtype, enable_prefix_caching=False,
+                              batch_invariant=not args.no_batch_invariant))
     times = []
     for rep in range(reps + 1):  # the first warms up
         ids = [(7919 * (rep * num_tokens + i)) % 40000 + 100 for i in range(num_tokens)]
@@ -128,6 +131,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--tiers", default="1,2,3", help="tier budgets, in pool budgets")
     parser.add_argument("--no-int4-decode", action="store_true", help="engine.int4_decode off (dense bf16 steps)")
+    parser.add_argument("--no-batch-invariant", action="store_true", help="engine.batch_invariant off")
     parser.add_argument("--no-raw-copy", action="store_true", help="skip mode (e)")
     args = parser.parse_args()
     torch.set_num_threads(2)

@@ -69,7 +69,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     _load_weights(model, Path(model_dir))
     invariant = batch_invariant and _can_run_invariant(device, native)
     int4 = int4_backend(device, dtype, native) if int4_decode and not invariant else None
-    four_bit = find_four_bit_linears(model) if int4 else {}  # before the cast rounds the weights
+    # before the cast rounds the weights; batch_invariant keeps them for float32 layers only (exact there)
+    four_bit = find_four_bit_linears(model) if int4 or (invariant and dtype == torch.float32) else {}
     head_weight = model.lm_head.weight.detach().clone()  # the checkpoint's, in float32: before the cast rounds it
     model = model.to(dtype)
     _float32_head(model, head_weight)
@@ -79,7 +80,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     if invariant:
         int8_head = InvariantInt8Linear.from_weight(head_weight)
         model.lm_head = int8_head or model.lm_head
-        use_invariant_linears(model)  # last: merged projections and the float32 head are final by now
+        use_invariant_linears(model, four_bit)  # last: merged projections and the float32 head are final now
+        four_bit = {}  # held by the fixed-order layers, not by Int4Linear wrappers
     else:
         if pack_weights and can_pack(device):
             pack_linears(model)
@@ -92,11 +94,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     num_fused = use_native_ops(model) if native and device.type == "cpu" else 0
     num_native_moe = use_native_experts(model) if native and device.type == "cpu" else 0
     if device.type == "cpu":
-        logger.info("CPU paths (ISA %s, %s): batch invariant %s, packed linears %d, fixed-order linears %d, "
-                    "int4 layers %d (%s), head %s, attention %s, fused ops %s, MoE decode %s", cpu_isa(),
-                    str(dtype).removeprefix("torch."), "on" if invariant else "off",
-                    sum(isinstance(m, PackedLinear) for m in model.modules()),
-                    sum(isinstance(m, InvariantLinear) for m in model.modules()), len(four_bit), int4 or "off",
+        fixed_order = [m for m in model.modules() if isinstance(m, InvariantLinear)]
+        logger.info("CPU paths (ISA %s, %s): batch invariant %s, packed linears %d, fixed-order linears %d (%d with "
+                    "4-bit groups), int4 layers %d (%s), head %s, attention %s, fused ops %s, MoE decode %s",
+                    cpu_isa(), str(dtype).removeprefix("torch."), "on" if invariant else "off",
+                    sum(isinstance(m, PackedLinear) for m in model.modules()), len(fixed_order),
+                    sum(m.q4 is not None for m in fixed_order), len(four_bit), int4 or "off",
                     "int8 (native)" if int8_head is not None else "float32",
                     "native" if model.native_attention else "pytorch", "native" if num_fused else "pytorch",
                     f"native ({num_native_moe} layers)" if num_native_moe else "grouped matmul")

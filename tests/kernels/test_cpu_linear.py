@@ -27,8 +27,8 @@ from replicas.kernels.cpu_linear.expert_native import expert_linear, native_expe
 from replicas.kernels.cpu_linear.int4 import Int4Linear, can_use_int4, find_four_bit_linears, four_bit_groups
 from replicas.kernels.cpu_linear.int4_native import exact_half_scales, int4_linear, native_int4, pack_int4
 from replicas.kernels.cpu_linear.int8_native import MAX_ROWS, Int8Linear, eight_bit_groups, int8_linear, native_int8
-from replicas.kernels.cpu_linear.invariant_native import (InvariantInt8Linear, InvariantLinear, invariant_linear,
-                                                          native_invariant, pack_invariant_weight,
+from replicas.kernels.cpu_linear.invariant_native import (INT4_MAX_ROWS, InvariantInt8Linear, InvariantLinear,
+                                                          invariant_linear, native_invariant, pack_invariant_weight,
                                                           use_invariant_linears)
 from replicas.kernels.cpu_linear.naive import (dequantize_int8, naive_expert_linear, naive_int4_linear,
                                                naive_int8_linear, naive_packed_linear)
@@ -666,3 +666,34 @@ def test_fixed_order_int8_head_applies_the_exact_weights_at_every_row_count(n, k
         torch.set_num_threads(before)
     torch.library.opcheck(native_invariant().invariant_int8_linear.default,
                           (x[:3], head.q, head.scale, head.group_size, n, torch.empty(3, n)))
+
+
+@needs_native_invariant
+@pytest.mark.parametrize("n,k", [(48, 64), (1536, 576), (576, 1536), (33, 96)], ids=lambda v: str(v))
+def test_fixed_order_four_bit_groups_give_the_dense_float32_bits(n, k):
+    """A float32 layer of GGUF Q4 groups keeps them (q4) and, up to INT4_MAX_ROWS rows, reads them instead of
+    its dense copy: the same float32 weights summed in the same order, so the same bits at every row count;
+    and the float32 reference within rounding. A weight that is not exactly 4-bit keeps only the dense form."""
+    g = torch.Generator().manual_seed(n)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).double()
+    q[..., 0], q[..., 1] = 0, 15  # every group spans its range, as llama.cpp's quantizer makes it
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).half().double()  # GGUF's float16 d and m
+    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.1).half().double()
+    linear = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_((q * d + m).float().view(n, k))  # GGUF's dequantization: d * q + m, one rounding
+    four_bit = InvariantLinear(linear, four_bit_groups(linear.weight.detach()))
+    dense = InvariantLinear(linear)
+    assert four_bit.q4 is not None and dense.q4 is None
+    x = torch.randn(INT4_MAX_ROWS + 3, k)
+    for rows in (1, 2, 3, 5, 8, INT4_MAX_ROWS, INT4_MAX_ROWS + 3):
+        assert torch.equal(four_bit(x[:rows]), dense(x[:rows])), rows
+    ref = naive_packed_linear(x.double(), linear.weight.double())
+    assert ((four_bit(x).double() - ref).abs() <= 1e-6 * (x.double().abs() @ linear.weight.double().abs().T)).all()
+    groups = four_bit_groups(linear.weight.detach())
+    with torch.no_grad():
+        linear.weight[0, 0] += 1e-4  # one weight off its group's grid
+    assert InvariantLinear(linear, groups).q4 is None  # the groups no longer rebuild it bit for bit: dense only
+    q, scale, offset = four_bit.q4, four_bit.scale4, four_bit.offset4
+    torch.library.opcheck(native_invariant().invariant_int4_linear.default,
+                          (x[:3], q, scale, offset, 32, n, torch.empty(3, n)))

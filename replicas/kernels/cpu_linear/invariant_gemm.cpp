@@ -15,7 +15,14 @@
 //   widen (float32; bf16 on other ISAs): w widened to float32 exactly, one FMA per k. Packed [N/VL][K][VL].
 //   int8 groups (a Q8_0 head, float32 x and out): w = q * scale rebuilt exactly in float32 (int8_native.py says
 //         why it is exact), one FMA per k. q packed [N/VL][K][VL] int8, scale [N/VL][K/G][VL] float32.
-// The forms' sums differ from each other and from F.linear's within float32 rounding.
+//   int4 groups (float32 layers whose checkpoint weights are GGUF Q4 groups): w = fma(q, scale, offset), which the
+//         loader has checked is the float32 weight bit for bit, so this form's sums ARE the widen form's: the
+//         layer may take either at any row count (decode-sized batches read 0.75 byte a weight instead of 4).
+//         q packed [N/VL][K/2][VL] bytes (k = 2p in the low nibble, 2p + 1 in the high), scale and offset
+//         [N/VL][K/G][VL] float32. (bf16 layers keep the pairs form: a bf16 4-bit form -- rebuild, round,
+//         pair, vdpbf16ps -- gave the same bits but no speed, its dequantization costing what it saved in
+//         bytes: 11.9 vs 12.0 ms a SmolLM2 decode step at one stream, 19.1 vs 16.5-17.1 at eight.)
+// The forms' sums differ from each other (int4 aside) and from F.linear's within float32 rounding.
 //
 // Blocking: a panel of up to kMaxBlocks blocks of VL outputs stays in L2 while every row of x
 // passes over it, kRows rows at a time, with kRows x blocks accumulators in registers.
@@ -129,6 +136,51 @@ struct Int8Groups {
   }
 };
 
+// The int4 groups form: x float32; w[n, k] = fma(q, scale, offset) per group of G, exactly the widen form's
+// float32 weight (checked at load); one fma per k in order, k = 2p then 2p + 1 from each byte.
+struct Int4Groups {
+  using X = float;
+  const uint8_t* q;
+  const float *scale, *offset;
+  int64_t G;
+  template <int MB, int NB>
+  void accumulate(const Problem& pb, const float* xr, int64_t b0, vf (&acc)[MB][NB]) const {
+    const int64_t groups = pb.K / G, scale_stride = groups * VL;
+    const uint8_t* qb = q + b0 * pb.block_stride;
+    const float* sb = scale + b0 * scale_stride;
+    const float* ob = offset + b0 * scale_stride;
+    for (int64_t g = 0; g < groups; ++g) {
+      vf s[NB], o[NB];
+      unroll<NB>([&](auto b) {
+        s[b] = vload(sb + b * scale_stride + g * VL);
+        o[b] = vload(ob + b * scale_stride + g * VL);
+      });
+      for (int64_t p = g * G / 2; p < (g + 1) * G / 2; ++p) {
+        unroll<2>([&](auto half) {  // k = 2p, then 2p + 1
+          vf wv[NB];
+          unroll<NB>([&](auto b) { wv[b] = vfma(nibbles<half>(qb + b * pb.block_stride + p * VL), s[b], o[b]); });
+          unroll<MB>([&](auto m) {
+            const vf xv = vset1(xr[m * pb.ldx + 2 * p + half]);
+            unroll<NB>([&](auto b) { acc[m][b] = vfma(xv, wv[b], acc[m][b]); });
+          });
+        });
+      }
+    }
+  }
+  template <int High>
+  static vf nibbles(const uint8_t* at) {  // VL bytes -> their low (High = 0) or high nibbles as float32
+#if defined(__AVX512F__)
+    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+    if (High) bytes = _mm_srli_epi16(bytes, 4);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, _mm_set1_epi8(0x0F))));
+#else
+    __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at));
+    if (High) bytes = _mm_srli_epi16(bytes, 4);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, _mm_set1_epi8(0x0F))));
+#endif
+  }
+};
+
 // Rows [m0, m0 + MB) x output blocks [b0, b0 + NB) -> out (+ bias, then one rounding to O).
 template <int MB, int NB, typename Form, typename O>
 void register_block(const Problem& pb, const Form& form, const typename Form::X* x, const float* bias, O* out,
@@ -232,6 +284,25 @@ void invariant_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
       out.data_ptr<float>());
 }
 
+// x [M, K] float32 (rows contiguous), q packed [N/VL][K/2][VL] uint8, scale / offset packed [N/VL][K/G][VL]
+// float32, out [M, N] float32 contiguous -> out = x @ fma(q, scale, offset).T.
+void invariant_int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                           const at::Tensor& offset, int64_t group_size, int64_t out_features, at::Tensor out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "invariant_int4_linear: float32 x");
+  check_x_out(x, out, out_features, at::kFloat);
+  const int64_t K = x.size(1), blocks = (out_features + VL - 1) / VL, G = group_size;
+  TORCH_CHECK(G > 0 && G % 2 == 0 && K % G == 0, "invariant_int4_linear: group_size ", G, " must be even, divide K = ", K);
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.numel() == blocks * K / 2 * VL,
+              "invariant_int4_linear: q must be the packed 4-bit [", out_features, ", ", K, "] weight");
+  for (const at::Tensor* t : {&scale, &offset})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == blocks * (K / G) * VL,
+                "invariant_int4_linear: scale and offset must be the packed float32 [", out_features, ", ", K / G, "]");
+  const Problem pb{x.size(0), K, out_features, x.stride(0), K / 2 * VL};
+  if (pb.M == 0 || pb.N == 0) return;
+  run(pb, Int4Groups{q.data_ptr<uint8_t>(), scale.data_ptr<float>(), offset.data_ptr<float>(), G},
+      x.data_ptr<float>(), nullptr, out.data_ptr<float>());
+}
+
 // [outputs per block, 1 if k comes in pairs (the bf16 pairs form)] for weights of dtype `bf16 ? bf16 : float32`
 // (and int8 groups: the float32 block).
 std::vector<int64_t> invariant_layout(bool bf) { return {VL, bf && kPairs ? 1 : 0}; }
@@ -241,10 +312,13 @@ std::vector<int64_t> invariant_layout(bool bf) { return {VL, bf && kPairs ? 1 : 
 TORCH_LIBRARY_FRAGMENT(tether, m) {
   m.def("invariant_linear(Tensor x, Tensor w, Tensor? bias, int out_features, Tensor(a!) out) -> ()");
   m.def("invariant_int8_linear(Tensor x, Tensor q, Tensor scale, int group_size, int out_features, Tensor(a!) out) -> ()");
+  m.def("invariant_int4_linear(Tensor x, Tensor q, Tensor scale, Tensor offset, int group_size, int out_features, "
+        "Tensor(a!) out) -> ()");
   m.def("invariant_layout(bool bf16) -> int[]", &invariant_layout);  // no tensor: one kernel for every key
 }
 
 TORCH_LIBRARY_IMPL(tether, CPU, m) {
   m.impl("invariant_linear", &invariant_linear);
   m.impl("invariant_int8_linear", &invariant_int8_linear);
+  m.impl("invariant_int4_linear", &invariant_int4_linear);
 }

@@ -9,7 +9,9 @@ function of that row alone. Its reference is naive_packed_linear (naive.py): equ
 
 `invariant_layout` says how the build packs weights (by the host's ISA: bf16 pairs for vdpbf16ps where
 AVX512-BF16 is there, else float32-widened blocks of one vector); `pack_invariant_weight` packs them once.
-A Q8_0 head (SmolLM2's) keeps its 8-bit groups on the same kernel (`InvariantInt8Linear`: the exact
+A float32 layer whose weights are GGUF Q4 groups keeps them too, for decode-sized batches: the kernel rebuilds
+each weight exactly, so the sums are the dense form's bit for bit. A Q8_0 head (SmolLM2's) keeps its 8-bit
+groups on the same kernel (`InvariantInt8Linear`: the exact
 weights, a quarter of float32's bytes). `native_invariant()` is None where the op cannot be built; the engine
 then runs without batch invariance.
 """
@@ -29,8 +31,8 @@ def native_invariant():
     """torch.ops.tether (invariant_linear, invariant_layout), or None where it cannot be built."""
     from replicas.kernels.native_build import load_native, mutates_only
 
-    return load_native("tether_invariant_gemm", [SOURCE],
-                       {"invariant_linear": mutates_only, "invariant_int8_linear": mutates_only})
+    return load_native("tether_invariant_gemm", [SOURCE], {"invariant_linear": mutates_only,
+                       "invariant_int8_linear": mutates_only, "invariant_int4_linear": mutates_only})
 
 
 def pack_invariant_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -65,22 +67,60 @@ def invariant_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     return out.view(*x.shape[:-1], out_features)
 
 
-class InvariantLinear(nn.Module):
-    """nn.Linear's function on the batch-invariant kernel; `weight` is the packed flat tensor."""
+# Float32 rows up to which a 4-bit layer reads its 4-bit groups (0.75 byte a weight) rather than its dense
+# float32 copy (4 bytes); both give the same bits (invariant_gemm.cpp), so the choice is speed only.
+INT4_MAX_ROWS = 16
 
-    def __init__(self, linear: nn.Linear):
+
+class InvariantLinear(nn.Module):
+    """nn.Linear's function on the batch-invariant kernel; `weight` is the packed flat tensor. A float32 layer
+    whose weight is 4-bit groups (`four_bit`: four_bit_groups' (q, step, zero)) that fma(q, scale, offset)
+    rebuilds bit for bit also keeps them packed, for batches of up to INT4_MAX_ROWS rows: the same sums."""
+
+    def __init__(self, linear: nn.Linear, four_bit: tuple | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight", pack_invariant_weight(linear.weight), persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias, persistent=False)
+        groups = _exact_int4(linear, four_bit) if four_bit is not None else None
+        self.group_size = 0 if groups is None else self.in_features // groups[1].shape[1]
+        block = torch.ops.tether.invariant_layout(False)[0]
+        for name, tensor in zip(("q4", "scale4", "offset4"), groups or (None,) * 3):
+            self.register_buffer(name, None if tensor is None else _blocked(tensor, block), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] in the weight's dtype -> [..., out_features]
-        return invariant_linear(x, self.weight, self.bias, self.out_features)
+        if self.q4 is None or x.numel() > INT4_MAX_ROWS * self.in_features:
+            return invariant_linear(x, self.weight, self.bias, self.out_features)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        torch.ops.tether.invariant_int4_linear(rows, self.q4, self.scale4, self.offset4, self.group_size,
+                                               self.out_features, out)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, batch-invariant {self.weight.dtype}"
+        four_bit = f", 4-bit groups up to {INT4_MAX_ROWS} rows" if self.q4 is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, batch-invariant " \
+               f"{self.weight.dtype}{four_bit}"
+
+
+def _exact_int4(linear: nn.Linear, four_bit: tuple):
+    """(q packed two per byte [N, K/2] uint8, scale [N, K/G], offset [N, K/G]) where `linear` is a bias-free
+    float32 layer whose weight fma(q, scale, offset) rebuilds bit for bit, else None."""
+    q, step, zero = four_bit
+    weight = linear.weight.detach()
+    if weight.dtype != torch.float32 or linear.bias is not None or q.shape != weight.shape or q.shape[1] % 2:
+        return None
+    scale, offset = step.float().contiguous(), (zero - 8 * step).float().contiguous()
+    group = weight.shape[1] // scale.shape[1]
+    # q * scale is exact in float64 and so is its sum with offset: one rounding to float32, as one fma
+    rebuilt = (q.double() * scale.double().repeat_interleave(group, 1)
+               + offset.double().repeat_interleave(group, 1)).float()
+    if not torch.equal(rebuilt, weight):
+        return None
+    q8 = q.to(torch.uint8)
+    return (q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous(), scale, offset
 
 
 class InvariantInt8Linear(nn.Module):
@@ -120,11 +160,13 @@ class InvariantInt8Linear(nn.Module):
                f"{self.group_size}, batch-invariant"
 
 
-def use_invariant_linears(model: nn.Module) -> int:
-    """Replaces every bf16 / float32 nn.Linear of `model` (a CPU model) with an InvariantLinear; returns how many."""
+def use_invariant_linears(model: nn.Module, four_bit: dict[str, tuple] | None = None) -> int:
+    """Replaces every bf16 / float32 nn.Linear of `model` (a CPU model) with an InvariantLinear, those named in
+    `four_bit` (find_four_bit_linears) with their 4-bit groups where they rebuild exactly; returns how many."""
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, nn.Linear) and module.weight.dtype in (torch.bfloat16, torch.float32)]
     for name, linear in targets:
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, InvariantLinear(linear))
+        setattr(model.get_submodule(parent) if parent else model, child,
+                InvariantLinear(linear, (four_bit or {}).get(name)))
     return len(targets)
