@@ -20,11 +20,50 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+_prebuilds = []
+
+
+def pytest_sessionstart(session):
+    """Every native op builds at once in two background processes (replicas/kernels/prebuild.py), instead of one
+    after another as tests first need them: ~80 s less on a fresh 2-core machine; on a warm cache they only load."""
+    from core.env import native_disabled
+    from replicas.kernels.prebuild import start
+
+    if not native_disabled():
+        _prebuilds.extend(start(jobs=2))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for process in _prebuilds:
+        process.wait()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from model_files.prepare import prepare_model
 
     return prepare_model("default", progress=False)
+
+
+@pytest.fixture(scope="session")
+def alone_replies(smollm2_dir):
+    """dtype name -> testing.invariance's six prompts, each alone on SmolLM2 (batch_invariant, the default): its
+    64 greedy (token, logprob) pairs. The reference the batch-invariance tests compare against (engine, HTTP)."""
+    from core.engine_config import EngineConfig
+    from replicas.engine.engine import Engine
+    from testing.chat import chat_ids
+    from testing.invariance import PROMPTS, greedy_replies
+
+    made: dict[str, list] = {}
+
+    def get(dtype: str) -> list:
+        if dtype not in made:
+            engine = Engine(EngineConfig(model=str(smollm2_dir), dtype=dtype, enable_prefix_caching=False))
+            assert engine.model.batch_invariant, "batch_invariant is on by default where the native ops build"
+            made[dtype] = [greedy_replies(engine, [chat_ids(engine.tokenizer, text)], 64)[0] for text in PROMPTS]
+        return made[dtype]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,14 @@
-"""engine.batch_invariant through the HTTP server (the openai client, SmolLM2, dtype auto as served): six chat
-prompts' 64 greedy tokens and their logprobs, each asked alone, are bit for bit what eight concurrent clients
-get (the six among two others of other lengths)."""
+"""engine.batch_invariant through the HTTP server (the openai client, SmolLM2, dtype auto as served): eight
+concurrent clients -- six chat prompts among two others of other lengths -- get, for each of the six, the 64
+greedy tokens and logprobs the engine gives that prompt alone (tests/conftest.py `alone_replies`), bit for bit."""
 
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from core.app_config import AppConfig
+from replicas.device import resolve_dtype
 from serve_app.local_server import LocalServer
 from testing.invariance import OTHERS, PROMPTS
 
@@ -35,8 +37,8 @@ def ask(client, text: str) -> list[tuple[int, float]]:
     return list(zip(token_ids, [entry.logprob for entry in choice.logprobs.content]))
 
 
-def test_eight_concurrent_clients_get_what_each_gets_alone(client):
-    alone = [ask(client, text) for text in PROMPTS]
+def test_eight_concurrent_clients_get_what_each_prompt_gets_alone(client, alone_replies):
+    alone = alone_replies(str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch."))
     with ThreadPoolExecutor(8) as pool:
         together = list(pool.map(lambda text: ask(client, text), PROMPTS + OTHERS[1:3]))[:len(PROMPTS)]
     firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(alone, together)]
