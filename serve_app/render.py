@@ -159,7 +159,10 @@ class Renderer:
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return list(prompt)
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not ids:  # text the tokenizer drops whole (SmolLM2's drops control characters such as "\x16")
+            raise RequestError("prompt encodes to no tokens with this model's tokenizer", param="prompt")
+        return ids
 
     def fim_prompt(self, prompt: str, suffix: str) -> list[int]:
         """Fill in the middle (prefix-suffix-middle order) with the vocabulary's own FIM tokens."""

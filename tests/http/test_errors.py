@@ -35,6 +35,13 @@ def test_prompt_longer_than_the_context(raw, http):
     assert error_of(raw.post("/v1/chat/completions", json=fits_alone), 400)["param"] == "max_tokens"
 
 
+def test_a_prompt_the_tokenizer_drops_whole_is_a_400_naming_it(raw):
+    """SmolLM2's tokenizer drops control characters: "\x16" encodes to no ids (found by
+    tests/unit/test_protocol_properties.py's schema fuzzing)."""
+    error = error_of(raw.post("/v1/completions", json={"model": MODEL, "prompt": "\x16", "max_tokens": 2}), 400)
+    assert error["param"] == "prompt" and "no tokens" in error["message"]
+
+
 def test_unknown_model_404_and_missing_field(raw):
     assert error_of(raw.post("/v1/chat/completions", json={**CHAT, "model": "nope"}), 404)["param"] == "model"
     assert error_of(raw.post("/v1/chat/completions", json={"model": MODEL}), 400)["param"] == "messages"
