@@ -8,7 +8,8 @@
   and prefill chunks over cached prefixes, several sequences, blocks shuffled through the pool) run once
   through each. Every cache slot no sequence owns holds NaN, and block-table entries past a sequence's blocks
   are -1, so a kernel that reads a key it should not fails loudly. float32 must agree to 1e-5; bfloat16 to
-  one bf16 rounding of the output (both sides compute in float32 from the same bf16 inputs: |diff| <= 2^-7
+  one bf16 rounding of the output (both sides compute in float32 from the same bf16 inputs, the kernel's QK^T
+  on AVX512-BF16 builds as bf16 dot products, whose products are exact and sums float32: |diff| <= 2^-7
   |ref| + 1e-5). Skipped where the op is not built here. Its batch-invariant mode (invariant=True) meets the
   same tolerances, and a row's bits there are the same whatever else is in the call: the sequence alone, one
   query at a time (decode), prefill chunks of other sizes, all sequences in one mixed call, 1, 2 or 3 threads;
@@ -214,6 +215,22 @@ def test_split_key_ranges(ops, seqs, num_heads, num_kv_heads, sliding_window, th
 
 
 @pytest.mark.parametrize("invariant", INVARIANT)
+@pytest.mark.parametrize("seqs,num_heads,num_kv_heads,head_dim,sliding_window,softcap", [
+    pytest.param([(0, 300)], SMOL_H, SMOL_HKV, SMOL_D, 0, 0.0, id="prefill300-gqa3-d64"),
+    pytest.param([(0, 300), (40, 1)], SMOL_H, SMOL_HKV, SMOL_D, 100, 2.0, id="prefill300-gqa3-d64-window100-softcap"),
+    pytest.param([(0, 1000)], SMOL_H, SMOL_HKV, SMOL_D, 0, 0.0, id="prefill1000-gqa3-d64"),
+    pytest.param([(0, 1000)], 16, 2, 128, 300, 0.0, id="prefill1000-gqa8-d128-window300"),
+    pytest.param([(512, 511), (3, 1)], 16, 2, 128, 0, 2.0, id="chunk511-after512-gqa8-d128-softcap"),
+])
+def test_long_prefill_chunks_bf16(ops, seqs, num_heads, num_kv_heads, head_dim, sliding_window, softcap, invariant):
+    """bf16 prefill chunks of hundreds of rows (the tile path; on an AVX512-BF16 build its QK^T in bf16 dot
+    products, pairs of dims) over many key tiles, windows, softcap, a last tile of an odd 31 keys (1,023) and
+    512-key canonical partitions: within one bf16 rounding of the float32 reference."""
+    check_close(*run_both(seqs, num_heads, num_kv_heads, head_dim, dtype=torch.bfloat16, sliding_window=sliding_window,
+                          softcap=softcap, seed=head_dim + len(seqs), invariant=invariant))
+
+
+@pytest.mark.parametrize("invariant", INVARIANT)
 def test_head_dims(ops, invariant):
     """Every multiple of 16 up to 256 runs (64 and 128 are the tuned ones)."""
     for head_dim in (16, 48, 80, 96, 256):
@@ -241,6 +258,8 @@ def calls_per_sequence(seqs, chunk: int):
     pytest.param(SMOL_H, SMOL_HKV, SMOL_D, torch.float32, 0, 0.0, id="gqa3-d64-fp32"),
     pytest.param(SMOL_H, SMOL_HKV, SMOL_D, torch.bfloat16, 0, 0.0, id="gqa3-d64-bf16"),
     pytest.param(SMOL_H, SMOL_HKV, SMOL_D, torch.bfloat16, 700, 0.0, id="gqa3-d64-bf16-window700"),
+    pytest.param(SMOL_H, SMOL_HKV, SMOL_D, torch.bfloat16, 0, 2.0, id="gqa3-d64-bf16-softcap"),
+    pytest.param(6, 2, 80, torch.bfloat16, 0, 0.0, id="gqa3-d80-bf16"),  # 40 pairs of dims: a 16-dim tail
     pytest.param(16, 2, 128, torch.bfloat16, 100, 0.0, id="gqa8-d128-bf16-window100"),
     pytest.param(16, 2, 128, torch.float32, 0, 2.0, id="gqa8-d128-fp32-softcap"),
     pytest.param(4, 4, 64, torch.float32, 50, 0.0, id="mha-d64-fp32-window50"),  # chunks of 7: 7 rows, padded to 8

@@ -3,7 +3,12 @@
 // naive_varlen_attention in naive.py. All math in float32 (bf16 loads widened, the output rounded once), on
 // tether_vec.h's GCC vector types of the ISA's width: VL = 16 floats (zmm) under the avx512 flags, 8 (ymm)
 // under avx2. (g++'s own vectoriser turned the register-blocked loops below into permutes on ymm: 8 GFLOP/s,
-// against ~130 from these; 16-float vectors under avx2 alone were as slow.)
+// against ~130 from these; 16-float vectors under avx2 alone were as slow.) The exception: bf16 inputs on an
+// AVX512-BF16 build (the avx512_bf16 level's -mavx512bf16, kBf16Dot), where QK^T is bf16 dot products with
+// float32 sums (vdpbf16ps: two exact bf16 products per lane and instruction), as SDPA and vLLM compute it:
+// scores = scale * (q . k) over pairs of dims of the unscaled bf16 q and k, no less accurate than float32 FMAs.
+// P.V stays float32: p rounded to bf16 for it too (kBf16Probabilities, SDPA's and vLLM's) is faster still but
+// moves outputs past one bf16 rounding of the reference (see there). The softmax is float32 either way.
 //
 // A work item is (sequence, KV head, up to kMaxRows rows, key range), a row being (query position, query head
 // of that KV head): every K/V tile is read once for the whole head group, and keys no row of the item can see
@@ -14,6 +19,9 @@
 //   larger items (prefill chunks) put rows on the lanes, K and V widened into a float tile first:
 //     scores[j][m] = sum_d keys[j][d] * q_t[d][m]   (broadcast-FMA; softmax and mask vectorised over rows)
 //     acc[m][:] = alpha[m] * acc[m][:] + sum_j p[j][m] * values[j][:]
+//   or, in bf16 dot products (kBf16Dot), the tile's K copied as it is and the queries as pairs of dims on the
+//   lanes, a key's pair of dims broadcast (tile_scores_dot); with kBf16Probabilities also V interleaved into
+//   pairs of keys and p packed into pairs of keys per row, a row's pair broadcast (tile_accumulate_dot)
 // Threads pull items, most expensive first, from an atomic counter. With fewer items than 2x threads (decode
 // of one or two long sequences), long key ranges are split into partitions; each leaves (max, sum, acc) per
 // row, and the thread that finishes a split's last partition merges them.
@@ -28,7 +36,13 @@
 //     in place of their d-chunk sums and lane-reduction tree; the rescale is exp_nonpositive in both; the
 //     softmax sums and p.V then add in the same order per row. (Decode items through the tile path instead,
 //     their head group on a tile's lanes, measured 2x the decode time; this costs a few per cent.) Nothing a
-//     row computes depends on what the other lanes or rows of its item hold;
+//     row computes depends on what the other lanes or rows of its item hold. Where the tile path's QK is bf16
+//     dot products (kBf16Dot), so is the small path's in this mode, in the same order: keys transposed in
+//     registers as 16 x 16 pairs of dims (transposed_scores_dot), one dot per pair of dims from dim 0, times
+//     the scale; the one instruction on both sides, so its own order of adds is the same too. With
+//     kBf16Probabilities, p is rounded to bf16 as the tile path rounds it, and V interleaved into pairs of keys,
+//     one dot per pair of keys (a key a row cannot see, or past an odd tile end, pairs as p = 0: an exact
+//     zero). (Fast mode's small items keep their float32 arithmetic.);
 //   - key tiles at absolute positions (multiples of kKeyTile from key 0), so a window, which moves an item's
 //     first key with its first row, does not move tile edges. Keys a row cannot see score -inf: they leave its
 //     running max alone and add exact zeros to its sum and accumulator;
@@ -66,6 +80,57 @@ constexpr int kInvariantPartitionKeys = 512;  // invariant mode: the softmax res
 static_assert(kInvariantPartitionKeys % kKeyTile == 0, "partitions hold whole key tiles");
 constexpr int kKeyBlock = 8;  // larger items' QK: keys whose score vectors stay in registers together
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- bf16 dot products (AVX512-BF16 builds, bf16 inputs): the tile path's QK (and P.V with
+// kBf16Probabilities), and invariant mode's small items, which must give a row the tile path's bits
+#if defined(__AVX512BF16__)
+#define TETHER_BF16_DOT 1
+static_assert(VL == 16, "AVX512-BF16 implies the avx512 build");
+using pairs_t = __m512i;  // 16 lanes of a (lower, upper) bf16 pair each, the form vdpbf16ps multiplies
+
+// Lane l: acc[l] + a.lower[l] * b.lower[l] + a.upper[l] * b.upper[l], the products exact (bf16 x bf16 fits a
+// float), in the instruction's own order of adds and rounding (denormals flush to 0, in and out). Every caller
+// gives a row the same sequence of these on the same pairs, so the order never matters, only that it is one.
+[[gnu::always_inline]] inline vf dot_pairs(vf acc, pairs_t a, pairs_t b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+// The pair at p (p[0] lower, p[1] upper) on every lane.
+[[gnu::always_inline]] inline pairs_t pair_at(const void* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _mm512_set1_epi32(bits);
+}
+// x rounded to bf16 (to nearest even, VCVTNEPS2BF16: a denormal becomes 0), widened back to float exactly.
+[[gnu::always_inline]] inline vf round_bf16(vf x) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// Lane l: (lower[l], upper[l]), 16 bf16 each.
+[[gnu::always_inline]] inline pairs_t interleave_pairs(__m256i lower, __m256i upper) {
+  const __m512i index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  return _mm512_permutex2var_epi16(_mm512_castsi256_si512(lower), index, _mm512_castsi256_si512(upper));
+}
+// Lane l: (lower[l], upper[l]) of two vectors of floats that are bf16 values (round_bf16's): their upper halves.
+[[gnu::always_inline]] inline pairs_t pack_pairs(vf lower, vf upper) {
+  return _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(_mm512_castps_si512(lower), 16),
+                                 _mm512_castps_si512(upper));
+}
+#else
+#define TETHER_BF16_DOT 0
+#endif
+// The bf16 dot-product arithmetic applies: bf16 inputs on an AVX512-BF16 build. QK^T is then bf16 dots (exact
+// products of the bf16 inputs, float32 sums: no less accurate than float32 FMAs); P.V stays float32 (p in
+// float32 times V widened) unless kBf16Probabilities.
+template <typename T>
+constexpr bool kBf16Dot = TETHER_BF16_DOT && std::is_same_v<T, c10::BFloat16>;
+// P.V in bf16 dots too, p rounded to bf16 (SDPA's and vLLM's): a 1,000-token SmolLM2 prefill chunk's attention
+// takes ~2.45 ms in place of ~2.95 (2 threads, AMD EPYC Zen 5; float32 everywhere: ~4.2), but p's rounding
+// (2^-9 relative) leaves 6-10% of the outputs of a long bf16 prefill more than one bf16 rounding from the
+// float32 reference (tests/kernels/test_paged_attention.py check_close: 2^-7 |ref| + 1e-5; up to ~130x that
+// where |ref| is near 0), and raises the rms error from 1.65e-3 of rms |out| (the output's own rounding) to
+// 1.8e-3 - 2.2e-3. Off until that tolerance is widened; both settings keep invariant mode exact.
+constexpr bool kBf16Probabilities = false;
 
 template <typename T>
 struct Problem {
@@ -211,6 +276,33 @@ template <typename T, int R>
   }
 }
 
+#if TETHER_BF16_DOT
+// Invariant mode's small-item scores in bf16 (AVX512-BF16): lane l of s[r] = q[r] . key l of the `count` keys
+// at k_rows (lanes past count score 0), unscaled: one dot_pairs per pair of dims, in order from dim 0, as
+// tile_scores_dot, where the row is the lane and the key pair the broadcast, so a row's dot has the same bits in
+// either path. A key's 16 pairs of 32 dims are one 512-bit load; the keys are transposed in registers as
+// 16 x 16 pairs (a 16-dim tail: 8 pairs, the upper lanes zero). q: each row's pairs of dims.
+template <int R>
+[[gnu::always_inline]] inline void transposed_scores_dot(const c10::BFloat16* const* k_rows, int count,
+                                                         const uint32_t (*q)[kMaxHeadDim / 2], int D, vf* s) {
+  for (int r = 0; r < R; ++r) s[r] = vf{};
+  for (int d0 = 0; d0 < D; d0 += 2 * VL) {
+    const bool tail = D - d0 < 2 * VL;  // D is a multiple of 16: 16 dims left
+    vf t[VL];
+    unroll<VL>([&](auto j) {
+      __m512i k = _mm512_setzero_si512();
+      if (j < count) k = _mm512_maskz_loadu_epi32(tail ? 0x00FF : 0xFFFF, k_rows[j] + d0);
+      t[j] = (vf)k;
+    });
+    transpose(t);  // t[i]: pair d0 / 2 + i of the VL keys
+    unroll<VL>([&](auto i) {
+      if (i < VL / 2 || !tail)
+        for (int r = 0; r < R; ++r) s[r] = dot_pairs(s[r], (pairs_t)t[i], _mm512_set1_epi32(q[r][d0 / 2 + i]));
+    });
+  }
+}
+#endif
+
 template <typename T, int R, bool kInvariant>
 void run_small_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
   const int D = int(pb.head_dim), rows = w.row_end - w.row_begin;
@@ -222,10 +314,23 @@ void run_small_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
   int32_t pos[R];
   const T* k_rows[kKeyTile];
   const T* v_rows[kKeyTile];
+  // Invariant mode on bf16 (AVX512-BF16 build): the tile path's bf16 arithmetic (tile_keys): the dot of the
+  // unscaled bf16 query and key in pairs of dims, times the scale; with kBf16Probabilities, p rounded to bf16,
+  // summed and multiplied by V as such, in pairs of keys.
+  constexpr bool kDot = kInvariant && kBf16Dot<T>;
+  uint32_t q_pairs[kDot ? R : 1][kMaxHeadDim / 2];                  // the unscaled queries, pairs of dims
+  uint16_t p_bf16[kDot && kBf16Probabilities ? R : 1][kKeyTile];  // the probabilities as bf16 bits
   const ItemRows<T> at(pb, w);
   for (int r = 0; r < R; ++r) {
     const T* src = r < rows ? pb.q + at.offset(pb, w, r) : nullptr;
-    for (int d = 0; d < D; ++d) q[r][d] = src ? to_float(src[d]) * pb.scale : 0.f;
+    if constexpr (kDot) {
+      if (src != nullptr)
+        std::memcpy(q_pairs[r], src, D * sizeof(T));
+      else
+        std::fill(q_pairs[r], q_pairs[r] + D / 2, 0u);
+    } else {
+      for (int d = 0; d < D; ++d) q[r][d] = src ? to_float(src[d]) * pb.scale : 0.f;
+    }
     pos[r] = r < rows ? at.position(pb, w, r) : -1;
   }
   auto reset = [&] {
@@ -246,7 +351,14 @@ void run_small_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
         const vi key = lane_index() + (j0 + g);
         if constexpr (kInvariant) {
           vf dots[R];
-          transposed_scores<T, R>(k_rows + g, count, q, D, dots);
+          if constexpr (kDot) {
+#if TETHER_BF16_DOT
+            transposed_scores_dot<R>(k_rows + g, count, q_pairs, D, dots);
+            for (int r = 0; r < R; ++r) dots[r] = dots[r] * pb.scale;  // tile_scores_dot's
+#endif
+          } else {
+            transposed_scores<T, R>(k_rows + g, count, q, D, dots);
+          }
           for (int r = 0; r < R; ++r) {
             vf s = dots[r];
             if (pb.softcap > 0.f) s = pb.softcap * tanh_approx(s * (1.f / pb.softcap));
@@ -281,7 +393,14 @@ void run_small_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
         const float new_max = std::max(row_max[r], tile_max);
         const float shift = new_max == kNegInf ? 0.f : new_max;  // a row that saw no key yet keeps p = 0
         for (int j = 0; j < n_lanes; j += VL) {
-          const vf p = exp_nonpositive(vload(probs[r] + j) - shift);
+          vf p = exp_nonpositive(vload(probs[r] + j) - shift);
+#if TETHER_BF16_DOT
+          if constexpr (kDot && kBf16Probabilities) {  // rounded to bf16 (the tile path's p), its bits kept for p . V
+            p = round_bf16(p);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_bf16[r] + j),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
+          }
+#endif
           vstore(probs[r] + j, p);
         }
         for (int j = 0; j < n; ++j) tile_sum += probs[r][j];
@@ -292,6 +411,23 @@ void run_small_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
         row_sum[r] = row_sum[r] * alpha[r] + tile_sum;
         row_max[r] = new_max;
       }
+#if TETHER_BF16_DOT
+      if constexpr (kDot && kBf16Probabilities) {  // acc = alpha * acc + p . V in pairs of keys (tile_accumulate_dot's)
+        for (int d = 0; d < D; d += VL) {
+          vf a[R];
+          for (int r = 0; r < R; ++r) a[r] = vload(acc[r] + d) * alpha[r];
+          for (int j = 0; j < n; j += 2) {  // an odd n: key n pairs as p = 0, v = 0 (p_bf16 is 0 past n)
+            const __m256i lower = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[j] + d));
+            const __m256i upper = j + 1 < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[j + 1] + d))
+                                            : _mm256_setzero_si256();
+            const pairs_t v = interleave_pairs(lower, upper);
+            for (int r = 0; r < R; ++r) a[r] = dot_pairs(a[r], v, pair_at(p_bf16[r] + j));
+          }
+          for (int r = 0; r < R; ++r) vstore(acc[r] + d, a[r]);
+        }
+        continue;
+      }
+#endif
       for (int d = 0; d < D; d += VL) {  // acc = alpha * acc + p . V
         vf a[R];
         for (int r = 0; r < R; ++r) a[r] = vload(acc[r] + d) * alpha[r];
@@ -340,9 +476,103 @@ struct Scratch {
   // invariant mode: the rows' partitions folded so far (fold_partition), acc as [rows][D]
   float fold_acc[kMaxRows * kMaxHeadDim];
   float fold_max[kMaxRows], fold_sum[kMaxRows];
+  // bf16 on an AVX512-BF16 build (tile_keys): pairs of bf16 (lower, upper) as 32-bit words
+  uint32_t q_pairs[kMaxHeadDim / 2 * kMaxRows];  // [D / 2][rows_pad]: row m's dims (2i, 2i + 1), unscaled
+  uint16_t keys_bf16[kKeyTile * kMaxHeadDim];     // [n_pad][D]: the tile's keys (rows past n zero)
+  uint32_t v_pairs[kKeyTile / 2 * kMaxHeadDim];  // kBf16Probabilities: [(n + 1) / 2][D], keys (2i, 2i + 1)'s v at d
+  uint32_t p_pairs[kKeyTile / 2 * kMaxRows];     // kBf16Probabilities: [(n + 1) / 2][rows_pad], their p of row m
 };
 
 thread_local Scratch scratch;
+
+#if TETHER_BF16_DOT
+// scores[j][m] = scale * (q[m] . keys[j]) for j < n_pad (a multiple of kKeyBlock), m < rows_pad: one dot_pairs
+// per pair of dims, in order from dim 0 (what transposed_scores_dot mirrors), kVecs row vectors of 16 at a time.
+template <int kVecs>
+[[gnu::always_inline]] inline void tile_scores_dot_block(const uint32_t* q_pairs, const uint16_t* keys, float* scores,
+                                                         float scale, int c, int n_pad, int rows_pad, int D) {
+  for (int j0 = 0; j0 < n_pad; j0 += kKeyBlock) {
+    vf acc[kVecs][kKeyBlock] = {};
+    const uint16_t* k = keys + j0 * D;
+    for (int i = 0; i < D / 2; ++i) {
+      pairs_t qv[kVecs];
+      unroll<kVecs>([&](auto v) { qv[v] = _mm512_loadu_si512(q_pairs + i * rows_pad + c + v * VL); });
+      unroll<kKeyBlock>([&](auto r) {
+        const pairs_t kp = pair_at(k + r * D + 2 * i);
+        unroll<kVecs>([&](auto v) { acc[v][r] = dot_pairs(acc[v][r], qv[v], kp); });
+      });
+    }
+    unroll<kKeyBlock>([&](auto r) {
+      unroll<kVecs>([&](auto v) { vstore(scores + (j0 + r) * rows_pad + c + v * VL, acc[v][r] * scale); });
+    });
+  }
+}
+
+inline void tile_scores_dot(const uint32_t* q_pairs, const uint16_t* keys, float* scores, float scale, int n_pad,
+                            int rows_pad, int D) {
+  int c = 0;
+  for (; c + 2 * VL <= rows_pad; c += 2 * VL)
+    tile_scores_dot_block<2>(q_pairs, keys, scores, scale, c, n_pad, rows_pad, D);
+  if (c < rows_pad) tile_scores_dot_block<1>(q_pairs, keys, scores, scale, c, n_pad, rows_pad, D);
+}
+
+// The tile's keys copied as they are into keys_bf16 (zero rows up to n_pad); its values widened into values, or
+// with kBf16Probabilities into v_pairs as pairs of keys (an odd n: key n's values zero).
+inline void load_tile_dot(const c10::BFloat16* const* k_rows, const c10::BFloat16* const* v_rows, int n, int n_pad,
+                          int D, Scratch& sc) {
+  for (int j = 0; j < n; ++j) std::memcpy(sc.keys_bf16 + j * D, k_rows[j], D * sizeof(uint16_t));
+  std::memset(sc.keys_bf16 + n * D, 0, (n_pad - n) * D * sizeof(uint16_t));
+  if constexpr (!kBf16Probabilities) {
+    for (int j = 0; j < n; ++j)
+      for (int d = 0; d < D; ++d) sc.values[j * D + d] = to_float(v_rows[j][d]);
+    return;
+  }
+  for (int j = 0; j < n; j += 2) {
+    for (int d = 0; d < D; d += VL) {
+      const __m256i lower = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[j] + d));
+      const __m256i upper = j + 1 < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[j + 1] + d))
+                                      : _mm256_setzero_si256();
+      _mm512_storeu_si512(sc.v_pairs + j / 2 * D + d, interleave_pairs(lower, upper));
+    }
+  }
+}
+
+// acc[m][:] = alpha[m] * acc[m][:] + sum_{i < n_pairs} p_pairs[i][m] . v_pairs[i][:] for m < rows_acc (a
+// multiple of 8), 8 rows by kVecs vectors of dims at a time: one dot_pairs per pair of keys, in key order (the
+// small path's kDot order).
+template <int kVecs>
+[[gnu::always_inline]] inline void tile_accumulate_dot_block(const uint32_t* p_pairs,
+                                                             const uint32_t* v_pairs, const float* alpha, float* acc,
+                                                             int m0, int d0, int n_pairs, int rows_pad, int D) {
+  constexpr int kRows = 8;
+  vf a[kVecs][kRows];
+  unroll<kRows>([&](auto r) {
+    unroll<kVecs>([&](auto v) { a[v][r] = vload(acc + (m0 + r) * D + d0 + v * VL) * alpha[m0 + r]; });
+  });
+  for (int i = 0; i < n_pairs; ++i) {
+    pairs_t vp[kVecs];
+    unroll<kVecs>([&](auto v) { vp[v] = _mm512_loadu_si512(v_pairs + i * D + d0 + v * VL); });
+    const uint32_t* p = p_pairs + i * rows_pad + m0;
+    unroll<kRows>([&](auto r) {
+      const pairs_t pp = pair_at(p + r);
+      unroll<kVecs>([&](auto v) { a[v][r] = dot_pairs(a[v][r], vp[v], pp); });
+    });
+  }
+  unroll<kRows>([&](auto r) {
+    unroll<kVecs>([&](auto v) { vstore(acc + (m0 + r) * D + d0 + v * VL, a[v][r]); });
+  });
+}
+
+inline void tile_accumulate_dot(const uint32_t* p_pairs, const uint32_t* v_pairs,
+                                const float* alpha, float* acc, int n_pairs, int rows_pad, int rows_acc, int D) {
+  for (int m0 = 0; m0 < rows_acc; m0 += 8) {
+    int d0 = 0;
+    for (; d0 + 2 * VL <= D; d0 += 2 * VL)
+      tile_accumulate_dot_block<2>(p_pairs, v_pairs, alpha, acc, m0, d0, n_pairs, rows_pad, D);
+    if (d0 < D) tile_accumulate_dot_block<1>(p_pairs, v_pairs, alpha, acc, m0, d0, n_pairs, rows_pad, D);
+  }
+}
+#endif
 
 // scores[j][m] = sum_d keys[j][d] * q_t[d][m] for j < n_pad (a multiple of kKeyBlock), m < rows_pad.
 inline void tile_scores(const float* q_t, const float* keys, float* scores, int n_pad, int rows_pad, int D) {
@@ -360,30 +590,51 @@ inline void tile_scores(const float* q_t, const float* keys, float* scores, int 
 }
 
 // acc[m][:] = alpha[m] * acc[m][:] + sum_{j < n} probs[j][m] * values[j][:] for m < rows_acc (a multiple of
-// 8, <= rows_pad, the row stride of probs), 8 rows at a time.
+// 8, <= rows_pad, the row stride of probs), 8 rows by kVecs vectors of dims at a time: each of the 8 x kVecs
+// accumulators one fma per key, in key order. kVecs = 2 under avx512 (16 independent fma chains: 8 were
+// latency-bound; 32 zmm registers hold them), 1 under avx2 (16 ymm registers).
+template <int kVecs>
+[[gnu::always_inline]] inline void tile_accumulate_block(const float* probs, const float* values, const float* alpha,
+                                                         float* acc, int m0, int d0, int n, int rows_pad, int D) {
+  constexpr int kRows = 8;
+  vf a[kVecs][kRows];
+  unroll<kRows>([&](auto r) {
+    unroll<kVecs>([&](auto v) { a[v][r] = vload(acc + (m0 + r) * D + d0 + v * VL) * alpha[m0 + r]; });
+  });
+  for (int j = 0; j < n; ++j) {
+    vf vals[kVecs];
+    unroll<kVecs>([&](auto v) { vals[v] = vload(values + j * D + d0 + v * VL); });
+    const float* p = probs + j * rows_pad + m0;
+    unroll<kRows>([&](auto r) {
+      unroll<kVecs>([&](auto v) { a[v][r] += p[r] * vals[v]; });
+    });
+  }
+  unroll<kRows>([&](auto r) {
+    unroll<kVecs>([&](auto v) { vstore(acc + (m0 + r) * D + d0 + v * VL, a[v][r]); });
+  });
+}
+
 inline void tile_accumulate(const float* probs, const float* values, const float* alpha, float* acc, int n,
                             int rows_pad, int rows_acc, int D) {
-  constexpr int kRows = 8;
-  for (int m0 = 0; m0 < rows_acc; m0 += kRows) {
-    for (int d0 = 0; d0 < D; d0 += VL) {
-      vf a[kRows];
-      for (int r = 0; r < kRows; ++r) a[r] = vload(acc + (m0 + r) * D + d0) * alpha[m0 + r];
-      for (int j = 0; j < n; ++j) {
-        const vf v = vload(values + j * D + d0);
-        const float* p = probs + j * rows_pad + m0;
-        for (int r = 0; r < kRows; ++r) a[r] += p[r] * v;
-      }
-      for (int r = 0; r < kRows; ++r) vstore(acc + (m0 + r) * D + d0, a[r]);
-    }
+  constexpr int kVecs = VL == 16 ? 2 : 1;
+  for (int m0 = 0; m0 < rows_acc; m0 += 8) {
+    int d0 = 0;
+    for (; d0 + kVecs * VL <= D; d0 += kVecs * VL)
+      tile_accumulate_block<kVecs>(probs, values, alpha, acc, m0, d0, n, rows_pad, D);
+    if (d0 < D) tile_accumulate_block<1>(probs, values, alpha, acc, m0, d0, n, rows_pad, D);
   }
 }
 
 // The online softmax of the item's rows over keys [j_begin, j_end), from and into sc's running state (row_max,
 // row_sum, acc). rows_pad: the score tile's width; rows_acc: the rows accumulated (a multiple of 8: padding
-// rows past them are never read).
+// rows past them are never read). bf16 on an AVX512-BF16 build (kDot): the scores are scale * (q . k) in bf16
+// pairs of dims (tile_scores_dot, from sc.q_pairs, K copied as it is), V widened; with kBf16Probabilities, p
+// rounded to bf16 (the row sums add the rounded p) and p . V in bf16 pairs of keys (tile_accumulate_dot). Else
+// all in float32 from widened K and V.
 template <typename T>
 void tile_keys(const Problem<T>& pb, const WorkItem& w, Scratch& sc, int j_begin, int j_end, int rows_pad,
                int rows_acc, int pos_min, int pos_max) {
+  constexpr bool kDot = kBf16Dot<T>;
   const int D = int(pb.head_dim);
   const int64_t window = pb.window;
   const T* k_rows[kKeyTile];
@@ -393,12 +644,19 @@ void tile_keys(const Problem<T>& pb, const WorkItem& w, Scratch& sc, int j_begin
     const int n = std::min(kKeyTile, j_end - j0);
     const int n_pad = (n + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
     kv_rows(pb, w, j0, n, k_rows, v_rows);
-    for (int j = 0; j < n; ++j) {
-      for (int d = 0; d < D; ++d) sc.keys[j * D + d] = to_float(k_rows[j][d]);
-      for (int d = 0; d < D; ++d) sc.values[j * D + d] = to_float(v_rows[j][d]);
+    if constexpr (kDot) {
+#if TETHER_BF16_DOT
+      load_tile_dot(k_rows, v_rows, n, n_pad, D, sc);
+      tile_scores_dot(sc.q_pairs, sc.keys_bf16, sc.scores, pb.scale, n_pad, rows_pad, D);
+#endif
+    } else {
+      for (int j = 0; j < n; ++j) {
+        for (int d = 0; d < D; ++d) sc.keys[j * D + d] = to_float(k_rows[j][d]);
+        for (int d = 0; d < D; ++d) sc.values[j * D + d] = to_float(v_rows[j][d]);
+      }
+      std::fill(sc.keys + n * D, sc.keys + n_pad * D, 0.f);
+      tile_scores(sc.q_t, sc.keys, sc.scores, n_pad, rows_pad, D);
     }
-    std::fill(sc.keys + n * D, sc.keys + n_pad * D, 0.f);
-    tile_scores(sc.q_t, sc.keys, sc.scores, n_pad, rows_pad, D);
 
     if (pb.softcap > 0.f) {
       const float cap = pb.softcap, inv_cap = 1.f / pb.softcap;
@@ -424,16 +682,37 @@ void tile_keys(const Problem<T>& pb, const WorkItem& w, Scratch& sc, int j_begin
       const vf shift = new_max == vset1(kNegInf) ? vf{} : new_max;  // rows that saw no key keep p = 0
       const vf alpha = exp_nonpositive(old_max - shift);
       vf tile_sum = {};
-      for (int j = 0; j < n; ++j) {
-        const vf p = exp_nonpositive(vload(sc.scores + j * rows_pad + c) - shift);
-        vstore(sc.scores + j * rows_pad + c, p);
-        tile_sum += p;
+      if constexpr (kDot && kBf16Probabilities) {
+#if TETHER_BF16_DOT
+        for (int j = 0; j < n; j += 2) {  // p rounded to bf16, stored in pairs of keys (an odd n: key n's p = 0)
+          const vf lower = round_bf16(exp_nonpositive(vload(sc.scores + j * rows_pad + c) - shift));
+          tile_sum += lower;
+          vf upper = {};
+          if (j + 1 < n) {
+            upper = round_bf16(exp_nonpositive(vload(sc.scores + (j + 1) * rows_pad + c) - shift));
+            tile_sum += upper;
+          }
+          _mm512_storeu_si512(sc.p_pairs + j / 2 * rows_pad + c, pack_pairs(lower, upper));
+        }
+#endif
+      } else {
+        for (int j = 0; j < n; ++j) {
+          const vf p = exp_nonpositive(vload(sc.scores + j * rows_pad + c) - shift);
+          vstore(sc.scores + j * rows_pad + c, p);
+          tile_sum += p;
+        }
       }
       vstore(sc.row_max + c, new_max);
       vstore(sc.alpha + c, alpha);
       vstore(sc.row_sum + c, vload(sc.row_sum + c) * alpha + tile_sum);
     }
-    tile_accumulate(sc.scores, sc.values, sc.alpha, sc.acc, n, rows_pad, rows_acc, D);
+    if constexpr (kDot && kBf16Probabilities) {
+#if TETHER_BF16_DOT
+      tile_accumulate_dot(sc.p_pairs, sc.v_pairs, sc.alpha, sc.acc, (n + 1) / 2, rows_pad, rows_acc, D);
+#endif
+    } else {
+      tile_accumulate(sc.scores, sc.values, sc.alpha, sc.acc, n, rows_pad, rows_acc, D);
+    }
   }
 }
 
@@ -444,7 +723,15 @@ void run_tile_item(const Problem<T>& pb, const WorkItem& w, Scratch& sc, float* 
   const ItemRows<T> at(pb, w);
   for (int m = 0; m < rows_pad; ++m) {
     const T* src = m < rows ? pb.q + at.offset(pb, w, m) : nullptr;
-    for (int d = 0; d < D; ++d) sc.q_t[d * rows_pad + m] = src ? to_float(src[d]) * pb.scale : 0.f;
+    if constexpr (kBf16Dot<T>) {  // the bf16 pairs as they are (tile_keys scales the dot products)
+      for (int i = 0; i < D / 2; ++i) {
+        uint32_t pair = 0;
+        if (src != nullptr) std::memcpy(&pair, src + 2 * i, sizeof pair);
+        sc.q_pairs[i * rows_pad + m] = pair;
+      }
+    } else {
+      for (int d = 0; d < D; ++d) sc.q_t[d * rows_pad + m] = src ? to_float(src[d]) * pb.scale : 0.f;
+    }
     sc.pos[m] = m < rows ? at.position(pb, w, m) : -1;  // padding rows see no key where a mask applies
   }
   const int pos_min = at.position(pb, w, 0), pos_max = at.position(pb, w, rows - 1);
@@ -485,7 +772,14 @@ void run_item(const Problem<T>& pb, const WorkItem& w, float* partial) {
     case 3: return run_small_item<T, 3, kInvariant>(pb, w, partial);
     case 4: return run_small_item<T, 4, kInvariant>(pb, w, partial);
     case 5: case 6: case 7: case 8: return run_small_item<T, kMaxSmallRows, kInvariant>(pb, w, partial);
-    default: return run_tile_item(pb, w, scratch, partial);
+    default: {
+      // The thread's scratch through a pointer the optimiser cannot see through: as the constant &scratch
+      // (every call passes it), g++ propagates it into run_tile_item and tile_keys, and a thread_local in this
+      // -fPIC library costs a __tls_get_addr call (and a vzeroupper and spilled vectors) at each use in the loops.
+      Scratch* sc = &scratch;
+      asm("" : "+r"(sc));
+      return run_tile_item(pb, w, *sc, partial);
+    }
   }
 }
 
