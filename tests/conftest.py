@@ -14,6 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# engine.compile_step defaults to false here: compiling every engine the suite starts (dozens of models, each
+# process anew) cost it ~200 s (14:37 instead of ~11:30). tests/engine/test_compiled_step.py turns it on.
+os.environ.setdefault("TETHER_COMPILE_STEP", "0")
 if not torch.cuda.is_available():
     # Triton kernels run under Triton's interpreter on CPU tensors (tests/kernels/: paged attention, sampling). Set here,
     # before any test module imports triton: @triton.jit reads it when a kernel is defined.

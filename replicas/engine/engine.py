@@ -90,7 +90,8 @@ class Engine:
         self.grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                        config.max_num_seqs, config.grammar_compile_threads)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, linear_states,
-                                  self.grammars, self.vision)
+                                  self.grammars, self.vision, compile_step=config.compile_step)
+        self.runner.warm_up()  # the compiled step's graph, before the first request
         # What a conversation's state must match to move here (replicas/engine/migration.py), and what moved.
         self.layout = engine_layout(self)
         self.migration_stats = MigrationStats()

@@ -12,11 +12,13 @@ next prompt token.
     A with prompt_logprobs, prompt of 9:  rows a0..a4 score tokens a1..a5
 """
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from replicas.engine.batch_builder import BatchBuilder, sampling_rows
+from replicas.engine.compiled_step import CompiledForward, compile_support, warm_up_scheduled
 from replicas.engine.phases import phase
 from replicas.engine.scheduler import ScheduledRequest
 from replicas.kernels.paged_attention import uses_native_attention
@@ -24,6 +26,8 @@ from replicas.models.forward_batch import ForwardBatch
 from replicas.models.gated_deltanet import LinearLayerState, LinearStateBatch, make_linear_state_batch
 from replicas.sampling.logprobs import PositionLogprobs, compute_logprobs
 from replicas.sampling.sampler import Sampler
+
+logger = logging.getLogger("ray.serve")  # Serve configures it in replicas: these lines reach the replica log
 
 # Prompt rows turned into logprobs at a time: bounds the [rows, vocab] float32 logits they need.
 PROMPT_LOGITS_ROWS = 256
@@ -40,8 +44,13 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  device: torch.device, linear_states: list[LinearLayerState] | None = None, grammars=None,
-                 vision=None):
+                 vision=None, compile_step: bool = False):
         self.model = model
+        # The forward the steps call: one compiled graph (replicas/engine/compiled_step.py) or the model itself.
+        off = compile_support(model, device) if compile_step else "engine.compile_step is false"
+        self.forward = CompiledForward(model) if off is None else model
+        if off is not None and compile_step:
+            logger.info("compiled step off: %s", off)
         self.kv_caches = kv_caches
         self.linear_states = linear_states  # hybrid models: per linear layer, state tensors indexed by slot
         self.block_size = block_size
@@ -53,13 +62,21 @@ class ModelRunner:
                                           batch_invariant=bool(getattr(model, "batch_invariant", False)))
 
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compiles the step's graph now rather than at the first request: a one-token forward whose KV goes to
+        slot 0 of block 0 (every block is free at start-up; its owner writes a slot before reading it)."""
+        if isinstance(self.forward, CompiledForward):
+            batch = self.batch_builder.build(warm_up_scheduled([0]))
+            self.forward(batch.input_ids, batch.positions, self.kv_caches, batch)
+
+    @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
         """One forward over the step; samples one token per sampling row, in scheduled order."""
         with phase("build"):
             batch = self.prepare(scheduled)
         with phase("forward"):
             if self.linear_states is None:
-                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch)  # [T, hidden]
+                hidden = self.forward(batch.input_ids, batch.positions, self.kv_caches, batch)  # [T, hidden]
                 last_hidden = None
                 sample_hidden = hidden[batch.logits_indices]  # [R, hidden]
             else:

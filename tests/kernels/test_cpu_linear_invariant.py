@@ -131,5 +131,6 @@ def test_fixed_order_four_bit_groups_give_the_dense_float32_bits(n, k):
         linear.weight[0, 0] += 1e-4  # one weight off its group's grid
     assert InvariantLinear(linear, groups).q4 is None  # the groups no longer rebuild it bit for bit: dense only
     q, scale, offset = four_bit.q4, four_bit.scale4, four_bit.offset4
-    torch.library.opcheck(native_invariant().invariant_int4_linear.default,
-                          (x[:3], q, scale, offset, 32, n, torch.empty(3, n)))
+    for extra in ((), (four_bit.weight, 2)):  # the 4-bit groups; the dense weight above 2 rows
+        torch.library.opcheck(native_invariant().invariant_int4_linear.default,
+                              (x[:3], q, scale, offset, 32, n, torch.empty(3, n), *extra))

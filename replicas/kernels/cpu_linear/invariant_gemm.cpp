@@ -285,9 +285,13 @@ void invariant_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
 }
 
 // x [M, K] float32 (rows contiguous), q packed [N/VL][K/2][VL] uint8, scale / offset packed [N/VL][K/G][VL]
-// float32, out [M, N] float32 contiguous -> out = x @ fma(q, scale, offset).T.
+// float32, out [M, N] float32 contiguous -> out = x @ fma(q, scale, offset).T. With `dense` (the same weight
+// packed for the widen form) and M > max_rows, the widen form runs instead: the same sums (the weight is
+// checked at load), the choice by M made here so a compiled graph needs no branch on the row count.
 void invariant_int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                           const at::Tensor& offset, int64_t group_size, int64_t out_features, at::Tensor out) {
+                           const at::Tensor& offset, int64_t group_size, int64_t out_features, at::Tensor out,
+                           const std::optional<at::Tensor>& dense, int64_t max_rows) {
+  if (dense && x.size(0) > max_rows) return invariant_linear(x, *dense, std::nullopt, out_features, out);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "invariant_int4_linear: float32 x");
   check_x_out(x, out, out_features, at::kFloat);
   const int64_t K = x.size(1), blocks = (out_features + VL - 1) / VL, G = group_size;
@@ -313,7 +317,7 @@ TORCH_LIBRARY_FRAGMENT(tether, m) {
   m.def("invariant_linear(Tensor x, Tensor w, Tensor? bias, int out_features, Tensor(a!) out) -> ()");
   m.def("invariant_int8_linear(Tensor x, Tensor q, Tensor scale, int group_size, int out_features, Tensor(a!) out) -> ()");
   m.def("invariant_int4_linear(Tensor x, Tensor q, Tensor scale, Tensor offset, int group_size, int out_features, "
-        "Tensor(a!) out) -> ()");
+        "Tensor(a!) out, Tensor? dense=None, int max_rows=0) -> ()");
   m.def("invariant_layout(bool bf16) -> int[]", &invariant_layout);  // no tensor: one kernel for every key
 }
 

@@ -91,12 +91,13 @@ class InvariantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] in the weight's dtype -> [..., out_features]
-        if self.q4 is None or x.numel() > INT4_MAX_ROWS * self.in_features:
+        if self.q4 is None:
             return invariant_linear(x, self.weight, self.bias, self.out_features)
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        # the op takes the 4-bit groups up to INT4_MAX_ROWS rows, the dense weight above
         torch.ops.tether.invariant_int4_linear(rows, self.q4, self.scale4, self.offset4, self.group_size,
-                                               self.out_features, out)
+                                               self.out_features, out, self.weight, INT4_MAX_ROWS)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,118 @@
+"""The compiled step (engine.compile_step, replicas/engine/compiled_step.py): one graph for every batch shape,
+the same tokens and logprobs as the eager forward bit for bit, and eager wherever it does not apply."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+from core.engine_config import EngineConfig
+from core.messages import GenerateRequest, SamplingParams
+from replicas.engine.compiled_step import CompiledForward, host_key, warm_up_scheduled
+from model_files.prepare import prepare_model
+from replicas.engine.engine import Engine
+from replicas.kernels.cpu_linear.invariant_native import InvariantLinear
+from replicas.kernels.fused_cpu import fused_ops
+from testing.tiny_gguf import T, write_tiny_gguf
+from tests.engine.conftest import prompts
+
+pytestmark = pytest.mark.skipif(fused_ops() is None, reason="the compiled step needs the native ops")
+
+
+def replies(engine: Engine, lengths: list[int], max_tokens: int = 12) -> dict[str, tuple]:
+    """Greedy ids and each token's logprob, for prompts of `lengths` all at once (prefill chunks beside decode
+    rows, then decode batches that shrink as requests end)."""
+    out: dict[str, tuple[list, list]] = {}
+    for i, prompt in enumerate(prompts(lengths)):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens - i % 3, logprobs=0)
+        engine.add_request(GenerateRequest(f"r{i}", prompt, params))
+        out[f"r{i}"] = ([], [])
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id][0].extend(delta.token_ids)
+            out[delta.request_id][1].extend(entry.logprob for entry in delta.logprobs or [])
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_step_is_the_eager_step_bit_for_bit(tiny_llama_dir, dtype):
+    """1 to 6 rows of decode, chunked prefills (max_num_batched_tokens 64) beside them: one graph, compiled at
+    start-up, never again; every token and logprob equal to the eager engine's."""
+    config = dict(model=str(tiny_llama_dir), dtype=dtype, max_num_batched_tokens=64)
+    eager = replies(Engine(EngineConfig(**config, compile_step=False)), [5, 130, 1, 40, 17, 64])
+    torch._dynamo.reset()  # this process may have traced the same model already (Dynamo's in-memory cache)
+    counters.clear()
+    engine = Engine(EngineConfig(**config, compile_step=True))
+    assert isinstance(engine.runner.forward, CompiledForward) and engine.runner.forward.compiled
+    assert counters["stats"]["unique_graphs"] == 1  # at start-up
+    compiled = replies(engine, [5, 130, 1, 40, 17, 64])
+    assert counters["stats"]["unique_graphs"] == 1, "a step shape recompiled"
+    assert compiled == eager
+    assert sum(len(ids) for ids, _ in compiled.values()) > 40
+
+
+# GGUF Q4 groups in float32 layers: the fixed-order kernel reads them up to 16 rows, the dense copy above
+Q4_TYPES = dict(token_embd=T.Q8_0, output=T.Q8_0, attn_q=T.Q4_0, attn_k=T.Q4_1, attn_v=T.Q4_0,
+                attn_output=T.Q4_1, ffn_gate=T.Q4_0, ffn_up=T.Q4_1, ffn_down=T.Q4_0)
+
+
+def test_compiled_step_takes_four_bit_and_dense_forms_as_eager_does(tmp_path):
+    """The 4-bit-or-dense choice is made inside the op by the row count, so one graph holds both."""
+    path = tmp_path / "q4.gguf"
+    write_tiny_gguf(path, "llama", Q4_TYPES, seed=3, tied=False, head_dim=64)
+    config = dict(model=str(prepare_model(str(path), cache_dir=tmp_path / "cache", progress=False)),
+                  dtype="float32", max_num_batched_tokens=64)
+    eager_engine = Engine(EngineConfig(**config, compile_step=False))
+    assert any(m.q4 is not None for m in eager_engine.model.modules() if isinstance(m, InvariantLinear))
+    eager = replies(eager_engine, [3, 90, 1, 33, 20])
+    engine = Engine(EngineConfig(**config, compile_step=True))
+    assert engine.runner.forward.compiled
+    assert replies(engine, [3, 90, 1, 33, 20]) == eager
+
+
+def test_default_is_on_and_the_environment_turns_it_off(monkeypatch):
+    monkeypatch.delenv("TETHER_COMPILE_STEP", raising=False)
+    assert EngineConfig().compile_step
+    monkeypatch.setenv("TETHER_COMPILE_STEP", "0")
+    assert not EngineConfig().compile_step
+    assert EngineConfig(compile_step=True).compile_step
+
+
+def test_hybrid_and_off_stay_eager(tiny_hybrid_dir, tiny_llama_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        hybrid = Engine(EngineConfig(model=str(tiny_hybrid_dir), dtype="float32", compile_step=True))
+    assert hybrid.runner.forward is hybrid.model
+    assert "compiled step off: hybrid model" in caplog.text
+    off = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", compile_step=False))
+    assert off.runner.forward is off.model
+
+
+class DataDependent(nn.Module):
+    """A forward fullgraph tracing rejects: a Python branch on a tensor's value."""
+
+    def forward(self, input_ids, positions, kv_caches, batch):
+        return input_ids * 2 if input_ids.sum() > 0 else input_ids - 1
+
+
+def test_a_failed_compile_falls_back_to_eager(tiny_llama_dir, caplog):
+    """A real compile failure (not a stand-in): the forward runs eagerly from then on, with the reason logged."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", compile_step=False))
+    batch = engine.runner.batch_builder.build(warm_up_scheduled([0]))
+    model = DataDependent()
+    forward = CompiledForward(model)
+    ids = torch.tensor([3, 4])
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        assert forward(ids, ids, [], batch).tolist() == [6, 8]
+    assert not forward.active and "compiling failed" in caplog.text
+    assert forward(-ids, ids, [], batch).tolist() == [-4, -5]
+
+
+def test_the_cache_is_per_isa_cap(monkeypatch):
+    """A graph compiled under make test-avx2's caps and loaded without them corrupted the heap on its first call:
+    each cap compiles into its own directory."""
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    native = host_key()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert host_key() != native and host_key().endswith("aten-avx2")
