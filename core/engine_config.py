@@ -73,9 +73,10 @@ class EngineConfig(BaseModel):
     compile_step: bool = Field(default_factory=compile_step_default, description="CPU: the model forward as one "
                                "torch.compile (Inductor) graph for every batch shape, compiled at start-up and "
                                "cached under the cache directory (replicas/engine/compiled_step.py; SmolLM2: ~32 s "
-                               "cold, ~6 s from the cache, then 10-15% faster decode steps). Needs the native ops; "
-                               "hybrid models, steps with images and a failed compile run eagerly (logged). false: "
-                               "always eager. Default true; TETHER_COMPILE_STEP=0 makes it false (core/env.py).")
+                               "cold, ~6 s from the cache, then 10-20% faster decode steps). Needs the native ops; "
+                               "hybrid models, steps with images, batch_invariant false and a failed compile run "
+                               "eagerly (logged). false: always eager. Default true; TETHER_COMPILE_STEP=0 makes "
+                               "it false (core/env.py).")
 
     @model_validator(mode="after")
     def _budget_covers_a_decode_batch(self):

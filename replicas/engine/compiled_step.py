@@ -14,8 +14,8 @@ Inductor's cache lives under the project cache (core/env.py), so a restart reuse
 only the trace: SmolLM2 ~32 s cold, ~6 s from the cache, on 2 cores.
 
 Steps the graph does not cover run eagerly: a step with images (M-RoPE positions, vision rows). If tracing
-or compiling fails, the forward stays eager for good and the log says why; so do models it does not apply
-to (`compile_support`).
+or compiling fails, the forward stays eager for good and the log says why; so do engines it does not apply
+to (`compile_support`: CUDA, no native ops, batch invariance off, hybrid models).
 """
 
 import logging
@@ -49,6 +49,9 @@ def compile_support(model, device: torch.device) -> str | None:
         return f"device {device.type}: the CPU step only"
     if not getattr(model, "native_attention", False):
         return "the native ops are off (the PyTorch attention path's groups are Python lists)"
+    if not getattr(model, "batch_invariant", False):
+        return ("batch_invariant is off: the int4 / int8 / oneDNN linears choose their kernel by the row count in "
+                "Python, which one graph for every batch cannot hold")
     if getattr(model, "linear_attention_layers", None):
         return "hybrid model: the recurrent layers are PyTorch loops over sequences (issue 27's native kernels)"
     return None

@@ -87,6 +87,10 @@ def test_hybrid_and_off_stay_eager(tiny_hybrid_dir, tiny_llama_dir, caplog):
     assert "compiled step off: hybrid model" in caplog.text
     off = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", compile_step=False))
     assert off.runner.forward is off.model
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        variant = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", compile_step=True,
+                                      batch_invariant=False))
+    assert variant.runner.forward is variant.model and "compiled step off: batch_invariant is off" in caplog.text
 
 
 class DataDependent(nn.Module):
