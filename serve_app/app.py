@@ -23,6 +23,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from cache_router.router import ConversationRouter
 from core.app_config import AppConfig
+from core.app_status import app_stays_deployed
 from core.heap import freeze_startup_heap
 from core.priority import run_at_normal_priority
 from model_files.architectures import check_model_dir
@@ -35,7 +36,6 @@ from serve_app.routes import OpenAIServer, make_api
 
 logger = logging.getLogger("ray.serve")
 
-STATUS_TIMEOUT_S = 5.0  # a leaving Ingress asking the controller whether its app is being deleted
 
 
 @serve.ingress()
@@ -68,26 +68,6 @@ class Ingress:
         stays = await app_stays_deployed()
         logger.info("Ingress leaving: %s", "waiting for a successor on the port" if stays else "closing")
         await asyncio.to_thread(self.front_door.close, stays)
-
-
-async def app_stays_deployed() -> bool:
-    """Whether this replica's application is still deployed (not being deleted): its Ingress is then
-    being replaced or scaled in, and clients need another listener before this one closes. A controller
-    too busy to answer (a roll on a loaded host) counts as deployed: waiting costs at most the drain."""
-    from ray.serve._private.api import _get_global_client  # PRIVATE (Ray 2.60): the controller's client
-    from ray.serve.schema import ApplicationStatus
-
-    try:
-        app = serve.get_replica_context().app_name
-    except Exception:  # outside Serve: nobody to wait for
-        return False
-    try:
-        overview = await asyncio.wait_for(asyncio.to_thread(lambda: _get_global_client().get_serve_status(app)),
-                                          STATUS_TIMEOUT_S)
-    except Exception as exc:
-        logger.info("Ingress leaving: no app status (%r); waiting for a successor", exc)
-        return True
-    return overview.app_status.status not in (ApplicationStatus.DELETING, ApplicationStatus.NOT_STARTED)
 
 
 def build_app(args: dict) -> serve.Application:
