@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from core.app_status import app_stays_deployed
+from core.app_status import app_deleting
 from core.engine_config import MigrationConfig
 from core.messages import GenerateRequest
 from replicas.cache.conversation_state import StateRefused
@@ -61,7 +61,7 @@ class Migrator:
         """Exports every conversation that fits the budget to the depot, within export_timeout_s."""
         if self.depot is None or self.config.export_bytes == 0 or not self.engine.is_healthy:
             return
-        if not await app_stays_deployed():
+        if await app_deleting():  # the depot goes with the app: nobody to hand over to
             logger.info("leaving with the app (deleted): no conversations exported")
             return
         start = time.monotonic()

@@ -23,7 +23,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from cache_router.router import ConversationRouter
 from core.app_config import AppConfig
-from core.app_status import app_stays_deployed
+from core.app_status import app_deleting
 from core.heap import freeze_startup_heap
 from core.priority import run_at_normal_priority
 from model_files.architectures import check_model_dir
@@ -65,7 +65,7 @@ class Ingress:
         port while the app stays deployed (a rolling update)."""
         if getattr(self, "front_door", None) is None:
             return
-        stays = await app_stays_deployed()
+        stays = await app_deleting() is False  # outside Serve (None): nobody to wait for
         logger.info("Ingress leaving: %s", "waiting for a successor on the port" if stays else "closing")
         await asyncio.to_thread(self.front_door.close, stays)
 
