@@ -37,7 +37,6 @@ from serve_app.routes import OpenAIServer, make_api
 logger = logging.getLogger("ray.serve")
 
 
-
 @serve.ingress()
 class Ingress:
     def __init__(self, config: dict, replicas):

@@ -61,7 +61,6 @@ class CompiledForward:
     """Calls `model(input_ids, positions, kv_caches, batch)`: through the compiled graph where it applies."""
 
     def __init__(self, model):
-        self.model = model
         self.eager = model.forward
         for module in model.modules():  # the norms' float32 weights exist before the trace
             if isinstance(module, RMSNorm) and module.native:
