@@ -35,10 +35,13 @@ class BatchBuilder:
         self._allocate(num_tokens=256, num_seqs=16, num_blocks=64)
 
     def _allocate(self, num_tokens: int, num_seqs: int, num_blocks: int) -> None:
-        self.tokens = torch.zeros(3, num_tokens, dtype=torch.int64)  # input_ids, positions, slot_mapping
-        self.seqs = torch.zeros(3, num_seqs + 1, dtype=torch.int64)  # cu_seqlens, seq_lens, logits_indices
-        self.seqs32 = torch.zeros(2, num_seqs + 1, dtype=torch.int32)  # query_start_loc, seq_lens
-        self.block_table = torch.zeros(num_seqs * num_blocks, dtype=torch.int32)  # viewed [S, N] contiguous
+        # Ordinary tensors even when a step (under inference mode) grows them: the compiled step's graph guards
+        # on its inputs' dispatch keys, and inference tensors' differ (a recompile at the first larger step).
+        with torch.inference_mode(False):
+            self.tokens = torch.zeros(3, num_tokens, dtype=torch.int64)  # input_ids, positions, slot_mapping
+            self.seqs = torch.zeros(3, num_seqs + 1, dtype=torch.int64)  # cu_seqlens, seq_lens, logits_indices
+            self.seqs32 = torch.zeros(2, num_seqs + 1, dtype=torch.int32)  # query_start_loc, seq_lens
+            self.block_table = torch.zeros(num_seqs * num_blocks, dtype=torch.int32)  # viewed [S, N] contiguous
         self.max_blocks = num_blocks
 
     def _ensure(self, num_tokens: int, num_seqs: int, num_blocks: int) -> None:

@@ -72,6 +72,18 @@ def test_compiled_step_takes_four_bit_and_dense_forms_as_eager_does(tmp_path):
     assert replies(engine, [3, 90, 1, 33, 20]) == eager
 
 
+def test_a_step_that_outgrows_the_batch_buffers_recompiles_nothing(tiny_llama_dir):
+    """The step's buffers start at 256 tokens / 16 sequences and grow inside a step (under inference mode):
+    regrown as inference tensors they changed the inputs' dispatch keys, and the graph recompiled."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", compile_step=True))
+    graphs = counters["stats"]["unique_graphs"]
+    first = engine.runner.batch_builder.tokens
+    out = replies(engine, [300, 200, *[4] * 18])  # 500 prompt tokens and 20 sequences in one step
+    assert engine.runner.batch_builder.tokens is not first  # the buffers grew
+    assert counters["stats"]["unique_graphs"] == graphs, "a grown buffer recompiled the step"
+    assert all(len(ids) >= 10 for ids, _ in out.values())
+
+
 def test_default_is_on_and_the_environment_turns_it_off(monkeypatch):
     monkeypatch.delenv("TETHER_COMPILE_STEP", raising=False)
     assert EngineConfig().compile_step
