@@ -64,6 +64,11 @@ class EngineConfig(BaseModel):
                                                 "Q4_0 / Q4_1) run decode batches on those groups, exactly: the native "
                                                 "kernel up to 4 rows in bfloat16 and 8 in float32, else torch's int4 "
                                                 "kernel in bfloat16 up to 2 rows (replicas/kernels/cpu_linear/int4.py).")
+    gguf_weights: Literal["blocks", "dequantized"] = Field(
+        "blocks", description="A GGUF model's weights: 'blocks' keeps each tensor in its file type (Q4_K, Q6_K, "
+        "Q8_0, ...; about the file's size in memory; replicas/kernels/cpu_linear/gguf_blocks.py); 'dequantized' "
+        "expands them at load to the serving dtype (4-8x the file's bytes; faster decode on small models, "
+        "docs/benchmarks.md 'GGUF blocks').")
     batch_invariant: bool = Field(True, description="CPU: every kernel sums each row in an order of its own, so "
                                   "a request's tokens do not depend on what else its steps hold, on chunking, "
                                   "preemption or the prefix cache (every linear on the fixed-order kernel, "

@@ -49,6 +49,14 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_float32_dir() -> Path:
+    """The default model with its weights dequantized to float32 safetensors: what transformers loads."""
+    from model_files.prepare import prepare_model
+
+    return prepare_model("default", progress=False, float32=True)
+
+
+@pytest.fixture(scope="session")
 def alone_replies(smollm2_dir):
     """dtype name -> testing.invariance's six prompts, each alone on SmolLM2 (batch_invariant, the default): its
     64 greedy (token, logprob) pairs. The reference the batch-invariance tests compare against (engine, HTTP)."""

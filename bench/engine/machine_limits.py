@@ -1,11 +1,12 @@
 """How far decode steps and a cold prefill are from this machine's limits (issue 25's targets).
 
-    python -m bench.engine.machine_limits [--threads 2] [--dtype auto] [--steps 40] [--prefill 1000]
+    python -m bench.engine.machine_limits [--model default] [--float32-weights] [--threads 2] [--dtype auto]
+                                          [--steps 40] [--prefill 1000]
                                           [--streams 1 8] [--compile-step 1 0] [--batch-invariant 1]
 
 1. The machine: copy bandwidth (a 512 MiB tensor copied, read + write bytes / time) and the matmul peak
    (a 2048 x 2048 x 2048 GEMM in float32 and, where oneDNN runs it, bfloat16), medians of several.
-2. The model as the engine loaded it (default SmolLM2, `dtype`): the bytes of weights one decode step reads
+2. The model as the engine loaded it (--model, default SmolLM2, `dtype`): the bytes of weights one decode step reads
    (each linear by the path it takes at 1 row: 4-bit or 8-bit groups, a packed bf16 / float32 weight; the
    embedding's one row) and the FLOPs of a decode token and of a --prefill-token cold prompt.
 3. Measured, per engine mode (--compile-step): the median Engine.step() of N concurrent decode streams and
@@ -27,6 +28,7 @@ from core.messages import GenerateRequest, SamplingParams
 from model_files.prepare import prepare_model
 from replicas.engine.engine import Engine
 from replicas.kernels.cpu_linear import PackedLinear
+from replicas.kernels.cpu_linear.gguf_blocks import GGUFEmbedding, GGUFLinear
 from replicas.kernels.cpu_linear.int4 import Int4Linear
 from replicas.kernels.cpu_linear.int8_native import Int8Linear
 from replicas.kernels.cpu_linear.invariant_native import InvariantInt8Linear, InvariantLinear
@@ -54,12 +56,16 @@ def decode_bytes(model: torch.nn.Module) -> int:
     """Weight bytes one decode row reads: every linear by its 1-row path, plus one embedding row."""
     wrapped = {id(m.dense) for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))}
     total = sum(linear_bytes(m) for m in model.modules() if id(m) not in wrapped)
-    embed = model.model.embed_tokens.weight
-    return total + embed.shape[1] * embed.element_size()
+    embed = model.model.embed_tokens
+    if isinstance(embed, GGUFEmbedding):  # one row of its blocks
+        return total + embed.table.nbytes() // embed.num_embeddings
+    return total + embed.weight.shape[1] * embed.weight.element_size()
 
 
 def linear_bytes(module: torch.nn.Module) -> int:
     """What `module` reads for one row if it is a linear layer (its own, not its children's), else 0."""
+    if isinstance(module, GGUFLinear):
+        return module.nbytes()
     if isinstance(module, Int4Linear):
         return nbytes(*module.int4_buffers())
     if isinstance(module, Int8Linear):
@@ -120,6 +126,9 @@ def prefill_time(engine: Engine, num_tokens: int, reps: int = 3) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="default", help="a model spec (model_files/prepare.py)")
+    parser.add_argument("--float32-weights", action="store_true", help="a GGUF's weights dequantized to float32 "
+                        "(the layout before GGUF blocks were kept)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--steps", type=int, default=40)
@@ -135,7 +144,7 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; matmul peak " +
           ", ".join(f"{str(dt)[6:]} {p / 1e9:.0f} GFLOP/s" for dt, p in peaks.items() if p))
     for compiled in args.compile_step:
-        engine = Engine(EngineConfig(model=str(prepare_model("default", progress=False)), dtype=args.dtype,
+        engine = Engine(EngineConfig(model=str(prepare_model(args.model, progress=False, float32=args.float32_weights)), dtype=args.dtype,
                                      enable_prefix_caching=False, compile_step=bool(compiled),
                                      batch_invariant=bool(args.batch_invariant)))
         report(engine, args, bandwidth, peaks[engine.dtype] or peaks[torch.float32])

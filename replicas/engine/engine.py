@@ -55,7 +55,8 @@ class Engine:
                                                      pack_weights=config.pack_weights,
                                                      int4_decode=config.int4_decode,
                                                      native=config.native_kernels,
-                                                     batch_invariant=config.batch_invariant)
+                                                     batch_invariant=config.batch_invariant,
+                                                     gguf_blocks=config.gguf_weights == "blocks")
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config, config.model)
         self.token_texts = TokenTexts(self.tokenizer)

@@ -17,6 +17,7 @@ GETTERS = [("replicas.kernels.cpu_linear.int4_native", "native_int4"),
            ("replicas.kernels.cpu_linear.int8_native", "native_int8"),
            ("replicas.kernels.fused_cpu", "fused_ops"),
            ("replicas.kernels.cpu_linear.invariant_native", "native_invariant"),
+           ("replicas.kernels.cpu_linear.gguf_blocks", "native_gguf"),
            ("replicas.kernels.cpu_linear.expert_native", "native_experts"),
            ("replicas.kernels.paged_attention.cpu_native", "native_ops")]
 

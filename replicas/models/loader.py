@@ -18,7 +18,10 @@ from replicas.kernels.cpu_linear.int8_native import Int8Linear
 from replicas.kernels.cpu_linear.invariant_native import (InvariantInt8Linear, InvariantLinear, native_invariant,
                                                           use_invariant_linears)
 from replicas.kernels.paged_attention import can_use_native_attention
+from replicas.kernels.cpu_linear.gguf_blocks import GGUFLinear
 from replicas.models.gemma3 import Gemma3ForCausalLM
+from replicas.models.gguf_loader import (gguf_file, kept_summary, load_dequantized, load_gguf_weights,
+                                        use_gguf_shells)
 from replicas.models.layers import MergedLinear, use_native_ops
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.moe import use_native_experts
@@ -50,7 +53,8 @@ def load_config(model_dir: str | Path):
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_weights: bool = False,
-               int4_decode: bool = False, native: bool = False, batch_invariant: bool = False):
+               int4_decode: bool = False, native: bool = False, batch_invariant: bool = False,
+               gguf_blocks: bool = True):
     """-> (model, config). On CPU, each path is chosen by what the host supports (replicas/cpu_isa.py) and
     logged once:
     - `pack_weights`: every linear layer's weight reordered once for oneDNN (bfloat16 ones where the ISA
@@ -59,25 +63,51 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
       decode-sized batches (replicas/kernels/cpu_linear/int4.py: the native kernel, else torch's in bf16);
     - `native`: the native attention op and the fused norm / rotary / activation ops where they build;
     - `batch_invariant` (with `native`): every linear on the fixed-order kernel (no packing, no int4 / int8
-      decode), attention split by key position only; `model.batch_invariant` says whether it holds."""
+      decode), attention split by key position only; `model.batch_invariant` says whether it holds;
+    - `gguf_blocks`: a GGUF directory's weights stay in their block types (gguf_loader.py); else they are
+      dequantized at load into the model's parameters, as a float32 checkpoint's would be."""
     config = load_config(model_dir)
     arch = check_architecture(getattr(config, "architectures", None))  # the clear refusal, with the closest family
     with torch.device("meta"):
         model = ARCHITECTURES[arch](config)
+    gguf_path = gguf_file(model_dir)
+    if gguf_path is not None and gguf_blocks:  # the layers that keep its blocks are swapped in before allocation
+        gguf, targets = use_gguf_shells(model, gguf_path)
     model = model.to_empty(device=device)
-    model.tie_weights()
-    _load_weights(model, Path(model_dir))
+    if gguf_path is None or not gguf_blocks:
+        model.tie_weights()
+    place = _dense_placer(model)  # after the tying: a tied head is the embedding's parameter
+    if gguf_path is None:
+        _load_weights(model, Path(model_dir), place)
+    elif not gguf_blocks:
+        load_dequantized(gguf_path, place)
+        gguf_path = None  # from here on, the model is a dense checkpoint's
+    else:
+        kept = load_gguf_weights(model, gguf, targets, device, place, native)
+        logger.info("%s", kept_summary(model, kept, gguf_path))
+    missing = checkpoint_names(model) - place.loaded
+    if missing:
+        raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
     invariant = batch_invariant and _can_run_invariant(device, native)
-    int4 = int4_backend(device, dtype, native) if int4_decode and not invariant else None
+    int4 = int4_backend(device, dtype, native) if int4_decode and not invariant and gguf_path is None else None
     # before the cast rounds the weights; batch_invariant keeps them for float32 layers only (exact there)
-    four_bit = find_four_bit_linears(model) if int4 or (invariant and dtype == torch.float32) else {}
-    head_weight = model.lm_head.weight.detach().clone()  # the checkpoint's, in float32: before the cast rounds it
+    four_bit = find_four_bit_linears(model) if int4 or (invariant and dtype == torch.float32 and gguf_path is None) \
+        else {}
+    gguf_head = isinstance(model.lm_head, GGUFLinear)
+    head_weight = None if gguf_head else model.lm_head.weight.detach().clone()  # float32, before the cast rounds it
     model = model.to(dtype)
-    _float32_head(model, head_weight)
+    if not gguf_head:
+        _float32_head(model, head_weight)
     _init_buffers(model, config, device)  # after the cast: rotary tables stay float32
     model.batch_invariant = invariant
     # A Q8_0 head (the default SmolLM2's) keeps its exact 8-bit weights: a quarter of float32's bytes.
-    if invariant:
+    if gguf_head:  # the kept layers are fixed-order already; the rest (an MoE's router) follows the flags
+        int8_head = None
+        if invariant:
+            use_invariant_linears(model, {})
+        elif pack_weights and can_pack(device):
+            pack_linears(model)
+    elif invariant:
         int8_head = InvariantInt8Linear.from_weight(head_weight)
         model.lm_head = int8_head or model.lm_head
         use_invariant_linears(model, four_bit)  # last: merged projections and the float32 head are final now
@@ -100,7 +130,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
                     cpu_isa(), str(dtype).removeprefix("torch."), "on" if invariant else "off",
                     sum(isinstance(m, PackedLinear) for m in model.modules()), len(fixed_order),
                     sum(m.q4 is not None for m in fixed_order), len(four_bit), int4 or "off",
-                    "int8 (native)" if int8_head is not None else "float32",
+                    "GGUF blocks" if gguf_head else "int8 (native)" if int8_head is not None else "float32",
                     "native" if model.native_attention else "pytorch", "native" if num_fused else "pytorch",
                     f"native ({num_native_moe} layers)" if num_native_moe else "grouped matmul")
     return model.eval(), model.config  # a multimodal checkpoint's: its language model's config
@@ -129,36 +159,44 @@ def _plain_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if id(p) not in merged}
 
 
-def _load_weights(model: torch.nn.Module, model_dir: Path) -> None:
-    shards = _shard_targets(model)
-    params = _plain_params(model)
-    fused = _fused_names(model, shards)
-    rename = getattr(model, "checkpoint_name", lambda name: name)
-    loaded = set()
+def _load_weights(model: torch.nn.Module, model_dir: Path, place) -> None:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors in {model_dir}")
     for path in files:
         for stored, tensor in load_file(str(path)).items():
-            name = rename(stored)
-            if name is None:
-                continue  # weights of a part we do not run (a multimodal checkpoint's vision tower)
-            if name in shards:
-                param, index = shards[name]
-                param.data[index].copy_(tensor)
-            elif name in fused:  # a merged projection stored whole: it stands for all its parts
-                fused[name][0].data.copy_(tensor)
-                loaded.update(fused[name][1])
-            elif name in params:
-                params[name].data.copy_(tensor)
-            elif name == "lm_head.weight" or "rotary_emb" in name:
-                continue  # tied head, or a buffer we compute
-            else:
-                raise ValueError(f"unexpected weight {stored!r} in {path.name}")
-            loaded.add(name)
-    missing = checkpoint_names(model) - loaded
-    if missing:
-        raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+            place(stored, tensor, path.name)
+
+
+def _dense_placer(model: torch.nn.Module):
+    """-> place(stored name, tensor, where=""): copies one checkpoint tensor into `model`'s parameter for it; the
+    names placed so far are `place.loaded`. Raises ValueError for a name the model does not have."""
+    shards = _shard_targets(model)
+    params = _plain_params(model)
+    fused = _fused_names(model, shards)
+    rename = getattr(model, "checkpoint_name", lambda name: name)
+    loaded = set()
+
+    def place(stored: str, tensor: torch.Tensor, where: str = "") -> None:
+        name = rename(stored)
+        if name is None:
+            return  # weights of a part we do not run (a multimodal checkpoint's vision tower)
+        if name in shards:
+            param, index = shards[name]
+            param.data[index].copy_(tensor)
+        elif name in fused:  # a merged projection stored whole: it stands for all its parts
+            fused[name][0].data.copy_(tensor)
+            loaded.update(fused[name][1])
+        elif name in params:
+            params[name].data.copy_(tensor)
+        elif name == "lm_head.weight" or "rotary_emb" in name:
+            return  # tied head, or a buffer we compute
+        else:
+            raise ValueError(f"unexpected weight {stored!r}" + (f" in {where}" if where else ""))
+        loaded.add(name)
+
+    place.loaded = loaded
+    return place
 
 
 def _shard_targets(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter, object]]:

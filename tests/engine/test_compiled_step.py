@@ -13,7 +13,7 @@ from core.messages import GenerateRequest, SamplingParams
 from replicas.engine.compiled_step import CompiledForward, host_key, warm_up_scheduled
 from model_files.prepare import prepare_model
 from replicas.engine.engine import Engine
-from replicas.kernels.cpu_linear.invariant_native import InvariantLinear
+from replicas.kernels.cpu_linear.gguf_blocks import GGUFLinear
 from replicas.kernels.fused_cpu import fused_ops
 from testing.tiny_gguf import T, write_tiny_gguf
 from tests.engine.conftest import prompts
@@ -53,19 +53,20 @@ def test_compiled_step_is_the_eager_step_bit_for_bit(tiny_llama_dir, dtype):
     assert sum(len(ids) for ids, _ in compiled.values()) > 40
 
 
-# GGUF Q4 groups in float32 layers: the fixed-order kernel reads them up to 16 rows, the dense copy above
-Q4_TYPES = dict(token_embd=T.Q8_0, output=T.Q8_0, attn_q=T.Q4_0, attn_k=T.Q4_1, attn_v=T.Q4_0,
-                attn_output=T.Q4_1, ffn_gate=T.Q4_0, ffn_up=T.Q4_1, ffn_down=T.Q4_0)
+# A GGUF's layers keep its blocks (gguf_blocks.py): legacy and K-quant types side by side, the head Q6_K
+GGUF_TYPES = dict(token_embd=T.Q8_0, output=T.Q6_K, attn_q=T.Q4_0, attn_k=T.Q4_K, attn_v=T.Q6_K,
+                  attn_output=T.Q4_1, ffn_gate=T.Q5_K, ffn_up=T.Q5_0, ffn_down=T.Q8_0)
 
 
-def test_compiled_step_takes_four_bit_and_dense_forms_as_eager_does(tmp_path):
-    """The 4-bit-or-dense choice is made inside the op by the row count, so one graph holds both."""
-    path = tmp_path / "q4.gguf"
-    write_tiny_gguf(path, "llama", Q4_TYPES, seed=3, tied=False, head_dim=64)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_step_runs_gguf_blocks_as_eager_does(tmp_path, dtype):
+    """The GGUF block op is one custom op for every row count, so one graph holds decode and prefill."""
+    path = tmp_path / "blocks.gguf"
+    write_tiny_gguf(path, "llama", GGUF_TYPES, seed=3, tied=False, head_dim=64)
     config = dict(model=str(prepare_model(str(path), cache_dir=tmp_path / "cache", progress=False)),
-                  dtype="float32", max_num_batched_tokens=64)
+                  dtype=dtype, max_num_batched_tokens=64)
     eager_engine = Engine(EngineConfig(**config, compile_step=False))
-    assert any(m.q4 is not None for m in eager_engine.model.modules() if isinstance(m, InvariantLinear))
+    assert isinstance(eager_engine.model.lm_head, GGUFLinear)
     eager = replies(eager_engine, [3, 90, 1, 33, 20])
     engine = Engine(EngineConfig(**config, compile_step=True))
     assert engine.runner.forward.compiled

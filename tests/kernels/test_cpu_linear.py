@@ -481,17 +481,17 @@ def test_int8_linear_module_uses_dense_above_max_rows():
 
 
 @pytest.mark.slow
-def test_smollm2_head_is_exactly_eight_bit(smollm2_dir):
+def test_smollm2_head_is_exactly_eight_bit(smollm2_float32_dir):
     from safetensors import safe_open
 
     name = "model.embed_tokens.weight"
-    for path in sorted(smollm2_dir.glob("*.safetensors")):
+    for path in sorted(smollm2_float32_dir.glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
             if name in f.keys():
                 weight = f.get_tensor(name).float()
                 break
     else:
-        pytest.fail(f"no {name} in {smollm2_dir}")
+        pytest.fail(f"no {name} in {smollm2_float32_dir}")
     found = eight_bit_groups(weight)
     assert found is not None, "SmolLM2's head is not made of exact 8-bit groups"
     q, scale = found

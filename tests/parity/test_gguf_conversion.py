@@ -1,4 +1,5 @@
-"""The converted SmolLM2 checkpoint against transformers' own reading of the GGUF.
+"""SmolLM2 as Tether reads its GGUF -- the engine on its kept blocks, and its float32 conversion -- against
+transformers' own reading of the GGUF.
 
 Reference: transformers' GGUF loader. `from_pretrained(..., gguf_file=...)`
 needs accelerate, which Tether does not depend on, so we call the function
@@ -20,9 +21,9 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def model_dir(smollm2_dir):
-    """The converted default model (the session's, in the user cache)."""
-    return smollm2_dir
+def model_dir(smollm2_float32_dir):
+    """The default model converted to float32 (the session's, in the user cache)."""
+    return smollm2_float32_dir
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,19 @@ def test_logits_match_transformers_gguf_loader(model, reference, input_ids):
         expected = reference[0](input_ids).logits  # [1, T, vocab]
     assert logits.shape == expected.shape
     assert (logits - expected).abs().max().item() <= 1e-4
+
+
+def test_kept_blocks_match_transformers_gguf_loader(smollm2_dir, reference, input_ids):
+    """The engine on the GGUF's own blocks (model.gguf, gguf_blocks.py) against transformers' reading of it: float32
+    sums in the engine's fixed order, not MKL's, through 30 layers, so within 1e-5 of the largest logit (~28)."""
+    from core.engine_config import EngineConfig
+    from replicas.engine.engine import Engine
+    from tests.parity.test_llama_parity import our_logits
+
+    engine = Engine(EngineConfig(model=str(smollm2_dir), dtype="float32", num_kv_blocks=16))
+    with torch.no_grad():
+        expected = reference[0](input_ids).logits[0]  # [T, vocab]
+    assert (our_logits(engine, input_ids[0].tolist()) - expected).abs().max().item() <= 1e-5 * expected.abs().max()
 
 
 def test_config_matches_transformers_gguf_config(model, reference):

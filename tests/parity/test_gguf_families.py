@@ -32,6 +32,7 @@ from model_files.gguf import convert_gguf
 from model_files.gguf_config import read_config
 from model_files.gguf_rope import llama3_parameters, rope_parameters
 from model_files.prepare import prepare_model
+from replicas.kernels.cpu_linear.gguf_blocks import GGUFLinear, native_gguf
 from replicas.engine.engine import Engine
 from testing.tiny_gguf import GEMMA3, PHI3, QWEN3MOE, ROPE_THETA, T, sizes, smollm2_tokenizer, write_tiny_gguf
 from tests.parity.test_llama_parity import our_logits
@@ -144,10 +145,17 @@ def case(request, tmp_path_factory):
     return request.param, model_dir, reference_model(arch, tied, head_dim, rope, weights)
 
 
-def test_logits_match_dequantized_reference(case):
+@pytest.mark.parametrize("native", [False, True], ids=["dequantized", "blocks"])
+def test_logits_match_dequantized_reference(case, native):
+    """The weights as the file holds them: dequantized to float32 at load (no native op), and kept in their
+    blocks on the native kernels (gguf_gemm.cpp), with the engine's other native ops."""
     _, model_dir, reference = case
-    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", pack_weights=False, native_kernels=False,
+    if native and native_gguf() is None:
+        pytest.skip("the GGUF block kernel is not built here")
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", pack_weights=False, native_kernels=native,
                                  int4_decode=False, num_kv_blocks=16))  # load_model(dir, float32, cpu)
+    kept = [m for m in engine.model.modules() if isinstance(m, GGUFLinear)]
+    assert kept and all((p.packed is not None) == native for m in kept for p in m.parts.values())
     got = our_logits(engine, PROMPT)  # [T, vocab]
     with torch.inference_mode():
         expected = reference(torch.tensor([PROMPT])).logits[0]  # [T, vocab]

@@ -51,9 +51,10 @@ PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a stea
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_matches_transformers_generate(smollm2_dir):
+def test_smollm2_greedy_matches_transformers_generate(smollm2_dir, smollm2_float32_dir):
+    """The engine on the GGUF's kept blocks; transformers on the same weights dequantized to float32."""
     engine = Engine(EngineConfig(model=str(smollm2_dir), dtype="float32"))
-    ref = reference(smollm2_dir)
+    ref = reference(smollm2_float32_dir)
     tok = engine.tokenizer
     requests, expected = [], {}
     for i, text in enumerate(PROMPTS):

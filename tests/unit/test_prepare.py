@@ -1,7 +1,8 @@
 """prepare_model: directory specs, the conversion cache, concurrent preparers, errors.
 
-The conversion runs once per module, by two CLI processes racing into an
-empty cache; the reuse test then prepares the same GGUF in-process.
+The float32 conversion (the slow one, with a progress bar) runs once per module, by two CLI processes racing
+into an empty cache; the reuse test then prepares the same GGUF in-process. The engine's own layout (the GGUF
+linked, its blocks kept) is prepared beside it.
 """
 
 import os
@@ -21,7 +22,7 @@ PROGRESS_LABEL = "gguf -> safetensors"  # tqdm's desc in model_files/gguf.py
 def race(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
     """Two `python -m model_files.prepare` started together on one empty cache."""
     cache_dir = tmp_path_factory.mktemp("cache")
-    cmd = [sys.executable, "-m", "model_files.prepare", "default", "--cache-dir", str(cache_dir)]
+    cmd = [sys.executable, "-m", "model_files.prepare", "default", "--cache-dir", str(cache_dir), "--float32"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     procs = [
         subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -53,9 +54,17 @@ def test_second_prepare_reuses_directory(race):
     model_dir = Path(results[0].stdout.strip().splitlines()[-1])
     weights = model_dir / "model.safetensors"
     mtime_ns = weights.stat().st_mtime_ns
-    assert prepare_model("default", cache_dir=cache_dir, progress=False) == model_dir
-    assert prepare_model(str(default_gguf_path()), cache_dir=cache_dir, progress=False) == model_dir
+    assert prepare_model("default", cache_dir=cache_dir, progress=False, float32=True) == model_dir
+    assert prepare_model(str(default_gguf_path()), cache_dir=cache_dir, progress=False, float32=True) == model_dir
     assert weights.stat().st_mtime_ns == mtime_ns
+
+
+def test_the_engine_layout_links_the_gguf_and_holds_no_weights(tmp_path):
+    model_dir = prepare_model("default", cache_dir=tmp_path, progress=False)
+    assert (model_dir / "model.gguf").resolve() == default_gguf_path().resolve()
+    assert not list(model_dir.glob("*.safetensors"))
+    assert {"config.json", "tokenizer.json", COMPLETE_MARKER} <= {p.name for p in model_dir.iterdir()}
+    assert model_dir != prepare_model("default", cache_dir=tmp_path, progress=False, float32=True)
 
 
 def test_directory_spec_is_returned_resolved(tmp_path):

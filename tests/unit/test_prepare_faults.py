@@ -23,7 +23,7 @@ from model_files.prepare import (COMPLETE_MARKER, ModelCacheError, cache_write_f
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# Run in a child process: the converter SIGKILLs itself once the weights are written, before the tokenizer
+# Run in a child process: the converter SIGKILLs itself once the weights (the GGUF's link) are written, before the tokenizer
 # files and the marker (a kill mid-conversion, at a point this test chooses rather than one a timer hits).
 KILLED_CONVERTER = """
 import os, signal, sys
@@ -68,7 +68,7 @@ def test_a_converter_killed_mid_conversion_leaves_no_model_and_the_next_start_co
     target = cached_dir(tiny_gguf.resolve(), cache_dir)
     assert not target.exists()  # nothing a loader could pick up
     [half] = target.parent.glob(f".{target.name}.tmp-*")  # the killed converter's, weights but no tokenizer
-    assert (half / "model.safetensors").is_file() and not (half / "tokenizer.json").exists()
+    assert (half / "model.gguf").is_symlink() and not (half / "tokenizer.json").exists()
     assert not (half / COMPLETE_MARKER).exists()
 
     assert prepare_model(str(tiny_gguf), cache_dir=cache_dir, progress=False) == target  # the next start
@@ -82,7 +82,7 @@ def test_a_directory_without_the_marker_is_converted_again_not_loaded(tiny_gguf,
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")  # half a model, as an older converter may have left it
     assert prepare_model(str(tiny_gguf), cache_dir=tmp_path, progress=False) == target
-    assert is_complete(target) and (target / "model.safetensors").is_file()
+    assert is_complete(target) and (target / "model.gguf").resolve() == tiny_gguf.resolve()
     check_model_dir(str(target))
 
 

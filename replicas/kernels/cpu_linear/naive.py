@@ -7,6 +7,7 @@ unpacked weights (the spec tests/kernels/test_cpu_linear.py holds them to).
     naive_int8_linear(x, q, scale)                             x [M, K] @ w.T -> [M, N] float32
     naive_expert_linear(x, w, expert_ids)                      row p = w[expert_ids[p]] @ x[p] -> [P, N] float32
     naive_packed_linear(x, weight, bias)                       F.linear: what PackedLinear computes
+    naive_gguf_linear(x, rows, qtype, cols)                    x [M, K] @ the gguf package's dequantize(rows).T
 
 q is unpacked ([N, K], int4_native.pack_int4 packs it for the kernel), and a group is K / scale.shape[1]
 weights. The math is the kernels': weights rebuilt in float32 (an int4 weight rounded once, an int8 one
@@ -54,3 +55,13 @@ def naive_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """x [..., K] @ weight [N, K].T + bias -> [..., N] in x's dtype: F.linear, which PackedLinear equals (bf16
     bit for bit, float32 to rounding)."""
     return F.linear(x, weight, bias)
+
+
+def naive_gguf_linear(x: torch.Tensor, rows, qtype, cols: int) -> torch.Tensor:
+    """x [M, K] -> [M, N] float32: x @ w.T with w [N, K = cols] the GGUF tensor's rows [N, row bytes] (uint8, as
+    the file holds them) dequantized by the gguf package (gguf_blocks.GGUFLinear's reference)."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    weight = torch.from_numpy(np.asarray(dequantize(rows, qtype), dtype=np.float32).reshape(-1, cols))
+    return F.linear(x.float(), weight)
