@@ -64,9 +64,10 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _text_parts(cls, content):
-        # Every route that renders messages (chat, /tokenize) joins text parts: each text must be a string.
+        # Every route that renders messages (chat, /tokenize) joins the parts' texts: each must be a string, whatever
+        # the part's type says (for_template joins every part's "text").
         for j, part in enumerate(content if isinstance(content, list) else []):
-            if part.get("type") in TEXT_PART_TYPES and not isinstance(part.get("text", ""), str):
+            if not isinstance(part.get("text", ""), str):
                 raise ValueError(f"content[{j}].text must be a string")
         return content
 

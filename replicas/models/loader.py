@@ -76,18 +76,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     model = model.to_empty(device=device)
     if gguf_path is None or not gguf_blocks:
         model.tie_weights()
-    place = _dense_placer(model)  # after the tying: a tied head is the embedding's parameter
     if gguf_path is None:
-        _load_weights(model, Path(model_dir), place)
-    elif not gguf_blocks:
-        load_dequantized(gguf_path, place)
-        gguf_path = None  # from here on, the model is a dense checkpoint's
+        _load_weights(model, Path(model_dir))
     else:
-        kept = load_gguf_weights(model, gguf, targets, device, place, native)
-        logger.info("%s", kept_summary(model, kept, gguf_path))
-    missing = checkpoint_names(model) - place.loaded
-    if missing:
-        raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+        place = _dense_placer(model)  # after the tying: a tied head is the embedding's parameter
+        if gguf_blocks:
+            kept = load_gguf_weights(model, gguf, targets, device, place, native)
+            logger.info("%s", kept_summary(model, kept, gguf_path))
+        else:
+            load_dequantized(gguf_path, place)
+            gguf_path = None  # from here on, the model is a dense checkpoint's
+        _check_loaded(model, place, model_dir)
     invariant = batch_invariant and _can_run_invariant(device, native)
     int4 = int4_backend(device, dtype, native) if int4_decode and not invariant and gguf_path is None else None
     # before the cast rounds the weights; batch_invariant keeps them for float32 layers only (exact there)
@@ -159,13 +158,21 @@ def _plain_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if id(p) not in merged}
 
 
-def _load_weights(model: torch.nn.Module, model_dir: Path, place) -> None:
+def _load_weights(model: torch.nn.Module, model_dir: Path) -> None:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors in {model_dir}")
+    place = _dense_placer(model)
     for path in files:
         for stored, tensor in load_file(str(path)).items():
             place(stored, tensor, path.name)
+    _check_loaded(model, place, model_dir)
+
+
+def _check_loaded(model: torch.nn.Module, place, where) -> None:
+    missing = checkpoint_names(model) - place.loaded
+    if missing:
+        raise ValueError(f"weights missing from {where}: {sorted(missing)[:5]}")
 
 
 def _dense_placer(model: torch.nn.Module):

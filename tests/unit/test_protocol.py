@@ -46,6 +46,13 @@ def test_bad_message_names_its_path():
         == "messages.0.role"
 
 
+def test_a_part_text_that_is_not_a_string_is_refused_whatever_its_type():
+    """Rendering joins every part's text (fuzzing found a part of an odd type whose text was a list: a 500)."""
+    for part in ({"type": "text", "text": ["a"]}, {"type": ["conversations"], "text": [{}]}, {"text": 3}):
+        body = {**CHAT, "messages": [{"role": "user", "content": [part]}]}
+        assert param_of(ChatCompletionRequest, body).startswith("messages.0.content"), part
+
+
 def test_completion_prompt_forms():
     assert CompletionRequest(model="m", prompt="hi").prompt == "hi"
     assert CompletionRequest(model="m", prompt=[1, 2, 3]).prompt == [1, 2, 3]
