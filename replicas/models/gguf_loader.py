@@ -45,7 +45,7 @@ def use_gguf_shells(model: nn.Module, gguf_path: Path):
             shell = GGUFEmbedding(module.num_embeddings, module.embedding_dim)
             targets[f"{path}.weight"] = (shell, None)
         elif isinstance(module, MergedLinear) and all(f"{_parent(path)}.{s}.weight" in matrices for s in module.shards):
-            shell = GGUFLinear(module.in_features, module.shards, bias=module.bias is not None)
+            shell = GGUFLinear(module.in_features, module.shards)
             types = {types_of[f"{_parent(path)}.{s}.weight"] for s in module.shards}
             if len(types) == 1:  # repacked straight into one tensor for all parts
                 shell.stack_into(types.pop())
@@ -53,7 +53,7 @@ def use_gguf_shells(model: nn.Module, gguf_path: Path):
                 targets[f"{_parent(path)}.{shard}.weight"] = (shell, shard)
                 targets[f"{_parent(path)}.{shard}.bias"] = (shell, shard)
         elif type(module) in (nn.Linear, MergedLinear) and f"{path}.weight" in matrices:  # one stored matrix
-            shell = GGUFLinear(module.in_features, {"weight": module.out_features}, bias=module.bias is not None)
+            shell = GGUFLinear(module.in_features, {"weight": module.out_features})
             targets[f"{path}.weight"], targets[f"{path}.bias"] = (shell, "weight"), (shell, "weight")
         else:
             continue

@@ -125,7 +125,7 @@ def test_merged_parts_of_different_types_with_bias_and_the_dequantized_fallback(
     allowed = 2 ** -8 * (x.float().abs() @ dense.abs().T) + 2 ** -8 * ref.abs() + 1e-6
 
     def build():
-        layer = GGUFLinear(k, {name: n for name, (_, n) in parts.items()}, bias=True)
+        layer = GGUFLinear(k, {name: n for name, (_, n) in parts.items()})
         for name, (qtype, _) in reversed(parts.items()):
             layer.set_part(name, BlockWeight(raw[name], qtype, k))
         offset = 0

@@ -44,7 +44,6 @@ BLOCKS = {
     Q.Q5_K: (256, 176, [(0, 2, 2), (2, 2, 2), (4, 12, 1), (16, 32, 1), (48, 128, 1)]),
     Q.Q6_K: (256, 210, [(208, 2, 2), (192, 16, 1), (0, 128, 1), (128, 64, 1)]),  # the file: ql qh scales d
 }
-KEPT_TYPES = tuple(BLOCKS)
 _REPACK_ROWS = 4096  # rows per slab of `repack`
 _FLOAT32_PROBE = torch.empty(0)
 
@@ -164,12 +163,11 @@ class GGUFLinear(nn.Module):
     of its own type; the output is their concatenation (+ bias), in x's dtype.
     Made empty (`GGUFLinear.shell`) before the model's other weights are allocated; `set_part` fills it."""
 
-    def __init__(self, in_features: int, part_rows: dict[str, int], bias: bool = False):
+    def __init__(self, in_features: int, part_rows: dict[str, int]):
         super().__init__()
         self.in_features, self.out_features = in_features, sum(part_rows.values())
         self.part_rows = dict(part_rows)
         self.parts: dict[str, BlockWeight] = {}
-        self.has_bias = bias
         self.bias: torch.Tensor | None = None  # [out_features] float32, added before the output's rounding
 
     @property
