@@ -1,6 +1,6 @@
 """How far decode steps and a cold prefill are from this machine's limits (issue 25's targets).
 
-    python -m bench.engine.machine_limits [--model default] [--float32-weights] [--threads 2] [--dtype auto]
+    python -m bench.engine.machine_limits [--model default] [--gguf-weights blocks] [--threads 2] [--dtype auto]
                                           [--steps 40] [--prefill 1000]
                                           [--streams 1 8] [--compile-step 1 0] [--batch-invariant 1]
 
@@ -127,8 +127,8 @@ def prefill_time(engine: Engine, num_tokens: int, reps: int = 3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="default", help="a model spec (model_files/prepare.py)")
-    parser.add_argument("--float32-weights", action="store_true", help="a GGUF's weights dequantized to float32 "
-                        "(the layout before GGUF blocks were kept)")
+    parser.add_argument("--gguf-weights", choices=["blocks", "dequantized"], default="blocks",
+                        help="engine.gguf_weights: a GGUF's blocks kept, or expanded at load (the layout before)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--steps", type=int, default=40)
@@ -144,7 +144,8 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; matmul peak " +
           ", ".join(f"{str(dt)[6:]} {p / 1e9:.0f} GFLOP/s" for dt, p in peaks.items() if p))
     for compiled in args.compile_step:
-        engine = Engine(EngineConfig(model=str(prepare_model(args.model, progress=False, float32=args.float32_weights)), dtype=args.dtype,
+        engine = Engine(EngineConfig(model=str(prepare_model(args.model, progress=False)), dtype=args.dtype,
+                                     gguf_weights=args.gguf_weights,
                                      enable_prefix_caching=False, compile_step=bool(compiled),
                                      batch_invariant=bool(args.batch_invariant)))
         report(engine, args, bandwidth, peaks[engine.dtype] or peaks[torch.float32])

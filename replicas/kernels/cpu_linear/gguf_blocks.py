@@ -97,8 +97,6 @@ def repack(rows: np.ndarray, qtype: Q, tile: int, done=None, into: torch.Tensor 
 
 def dequantized(rows: np.ndarray, qtype: Q, cols: int) -> torch.Tensor:
     """rows [N, row bytes] -> [N, cols] float32, by the gguf package (the reference every kernel here equals)."""
-    if qtype == Q.F32:
-        return torch.from_numpy(np.array(rows).view(np.float32).reshape(-1, cols))
     return torch.from_numpy(np.asarray(dequantize(rows, qtype), dtype=np.float32).reshape(-1, cols))
 
 
@@ -120,16 +118,18 @@ class BlockWeight:
     @classmethod
     def stacked(cls, parts: list["BlockWeight"], packed: torch.Tensor | None = None) -> "BlockWeight | None":
         """The parts' rows one after another as one weight, where they share a type and (tiled) whole tiles;
-        else None. `packed`: the tensor whose consecutive slices the parts were repacked into, if so."""
+        else None. `packed`: the tensor the parts were repacked into, slice after slice (GGUFLinear.stack_into), if
+        they were; else their tiles are copied into one."""
         first = parts[0]
         if any(p.qtype != first.qtype or p.cols != first.cols for p in parts) or \
                 (first.packed is not None and any(p.rows % tile_rows() for p in parts)):
             return None
         stacked = cls.__new__(cls)
         stacked.qtype, stacked.cols, stacked.rows = first.qtype, first.cols, sum(p.rows for p in parts)
-        stacked.packed = None if first.packed is None else packed if packed is not None and all(
-            p.packed.data_ptr() == packed.data_ptr() + at for p, at in zip(parts, _offsets(parts))) else \
-            torch.cat([p.packed for p in parts])
+        if first.packed is None:
+            stacked.packed = None
+        else:
+            stacked.packed = packed if packed is not None else torch.cat([p.packed for p in parts])
         stacked.dense = None if first.dense is None else torch.cat([p.dense for p in parts])
         return stacked
 
@@ -150,18 +150,10 @@ class BlockWeight:
         return out
 
 
-def _offsets(parts: list[BlockWeight]) -> list[int]:
-    at, out = 0, []
-    for part in parts:
-        out.append(at)
-        at += part.packed.numel()
-    return out
-
-
 class GGUFLinear(nn.Module):
     """A linear layer (or merged projection) on GGUF weights: `parts` in output order, each [rows_i, in_features]
     of its own type; the output is their concatenation (+ bias), in x's dtype.
-    Made empty (`GGUFLinear.shell`) before the model's other weights are allocated; `set_part` fills it."""
+    Made empty before the model's other weights are allocated (gguf_loader.py); `set_part` fills it."""
 
     def __init__(self, in_features: int, part_rows: dict[str, int]):
         super().__init__()
@@ -169,6 +161,7 @@ class GGUFLinear(nn.Module):
         self.part_rows = dict(part_rows)
         self.parts: dict[str, BlockWeight] = {}
         self.bias: torch.Tensor | None = None  # [out_features] float32, added before the output's rounding
+        self._stack: torch.Tensor | None = None  # stack_into's tensor for all parts, until stack_parts
 
     @property
     def weight(self) -> torch.Tensor:  # the model's forward reads only the head's dtype: float32 in, float32 out
@@ -205,7 +198,7 @@ class GGUFLinear(nn.Module):
             offset += rows * row_bytes_
 
     def part_buffer(self, name: str) -> torch.Tensor | None:
-        if getattr(self, "_stack", None) is None:
+        if self._stack is None:
             return None
         offset, size = self._stack_offsets[name]
         return self._stack[offset:offset + size]
@@ -214,7 +207,7 @@ class GGUFLinear(nn.Module):
         """One weight for all parts where they share a type (one kernel call, no concatenation)."""
         if len(self.parts) < 2 or self.missing():
             return
-        stacked = BlockWeight.stacked([self.parts[name] for name in self.part_rows], getattr(self, "_stack", None))
+        stacked = BlockWeight.stacked([self.parts[name] for name in self.part_rows], self._stack)
         if stacked is not None:
             self.parts = {"+".join(self.part_rows): stacked}
             self.part_rows = {"+".join(self.part_rows): self.out_features}
