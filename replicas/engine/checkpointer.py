@@ -3,7 +3,9 @@
 Saved (only where a policy will consume it, never twice for one boundary; copies only the state
 slot, the partial last block's KV and one hidden row, never the shared full blocks):
 - at a request's checkpoint positions (the history boundary of a chat turn; every K prompt tokens
-  when configured): the scheduler ends a prefill chunk there, so the state exists at that token;
+  when configured): with the native recurrent ops (`snapshots`) the step copies the states out after that
+  token wherever it falls in a chunk (ModelRunner: LinearStateBatch.snapshot_rows); on the PyTorch path the
+  scheduler ends a prefill chunk there, so the state exists in the slot at that token;
 - at the end of a finished turn: the last position fed forward (prompt + generated ids but the last
   sampled one, which never ran through the model); the next turn prefills from there.
 
@@ -29,7 +31,7 @@ from replicas.request.request import Request, RequestStatus
 class Checkpointer:
     def __init__(self, pool: CheckpointPool, kv_manager: KVCacheManager,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], linear_states: list[LinearLayerState],
-                 save_turn_ends: bool, every: int):
+                 save_turn_ends: bool, every: int, snapshots: bool = False):
         self.pool = pool
         self.kv_manager = kv_manager
         self.kv_caches = kv_caches
@@ -37,6 +39,7 @@ class Checkpointer:
         self.block_size = kv_manager.block_size
         self.save_turn_ends = save_turn_ends
         self.every = every  # 0: off
+        self.snapshots = snapshots  # the step copies states out inside chunks: no chunk ends on a position
         self.tier = None  # a HostTier (attach_tier), or None
 
     def attach_tier(self, tier) -> None:
@@ -49,6 +52,7 @@ class Checkpointer:
         if self.every:
             positions.update(range(self.every, request.num_prompt_tokens, self.every))
         request.checkpoint_positions = positions
+        request.chunk_at_checkpoints = not self.snapshots
 
     # -- restore -------------------------------------------------------------
 
@@ -116,9 +120,10 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------
 
-    def after_forward(self, scheduled, last_hidden: torch.Tensor) -> None:
+    def after_forward(self, scheduled, last_hidden: torch.Tensor, snapshots: list | None = None) -> None:
         """After a step's forward, before its bookkeeping: keep each sequence's last hidden row, and save
-        where a chunk ended on a checkpoint position. last_hidden: [S, hidden], one row per scheduled item."""
+        where a chunk ended on a checkpoint position, and each snapshot the step took inside a chunk.
+        last_hidden: [S, hidden], one row per scheduled item; snapshots: ModelRunnerOutput.snapshots."""
         for i, item in enumerate(scheduled):
             if item.num_tokens == 0:
                 continue
@@ -127,6 +132,8 @@ class Checkpointer:
             num_computed = request.num_computed_tokens + item.num_tokens
             if num_computed in request.checkpoint_positions:
                 self.save(request, num_computed)
+        for snapshot in snapshots or []:
+            self.save(scheduled[snapshot.item].request, snapshot.num_tokens, snapshot)
 
     def on_finish(self, request: Request, status: RequestStatus) -> None:
         """The end of a turn, before the slot is freed: the state after the last token fed forward."""
@@ -134,18 +141,23 @@ class Checkpointer:
                 and request.num_computed_tokens > 0 and not request.needs_prompt_logits:
             self.save(request, request.num_computed_tokens)
 
-    def save(self, request: Request, num_tokens: int) -> None:
+    def save(self, request: Request, num_tokens: int, snapshot=None) -> None:
+        """The request's state after `num_tokens` tokens: its slot's, or a snapshot's taken inside a step."""
         ids = request.token_ids[:num_tokens]
         if self.pool.has(ids):
             return  # never twice for one boundary
-        slot = request.state_slot
         tail = num_tokens % self.block_size
         block = request.block_table[num_tokens // self.block_size] if tail else None
         tail_kv = [(k[block, :tail].clone(), v[block, :tail].clone()) if tail else (k[:0, 0], v[:0, 0])
                    for k, v in self.kv_caches]
         num_full = num_tokens // self.block_size
         self.kv_manager.update_hashes(request)
-        self.pool.save(ids, Checkpoint(num_tokens, [layer.conv_state[slot].clone() for layer in self.linear_states],
-                                       [layer.recurrent_state[slot].clone() for layer in self.linear_states],
-                                       tail_kv, request.last_hidden.clone(),
+        if snapshot is None:
+            slot = request.state_slot
+            conv = [layer.conv_state[slot].clone() for layer in self.linear_states]
+            recurrent = [layer.recurrent_state[slot].clone() for layer in self.linear_states]
+            hidden = request.last_hidden.clone()
+        else:
+            conv, recurrent, hidden = snapshot.conv_states, snapshot.recurrent_states, snapshot.hidden
+        self.pool.save(ids, Checkpoint(num_tokens, conv, recurrent, tail_kv, hidden,
                                        request.block_hashes[num_full - 1] if num_full else None))

@@ -15,7 +15,9 @@ only the trace: SmolLM2 ~32 s cold, ~6 s from the cache, on 2 cores.
 
 Steps the graph does not cover run eagerly: a step with images (M-RoPE positions, vision rows). If tracing
 or compiling fails, the forward stays eager for good and the log says why; so do engines it does not apply
-to (`compile_support`: CUDA, no native ops, batch invariance off, hybrid models).
+to (`compile_support`: CUDA, no native ops, batch invariance off, a hybrid model whose recurrent layers are not on
+their native ops). A hybrid model's forward takes the step's LinearStateBatch too: the native recurrent ops read
+only its slots and flags (as many as the step's sequences: unbacked) and the state tensors (static).
 """
 
 import logging
@@ -28,6 +30,7 @@ import torch
 from core.env import inductor_cache_dir
 from replicas.cpu_isa import cpu_isa
 from replicas.models.forward_batch import ForwardBatch
+from replicas.models.gated_deltanet import GatedDeltaNet, LinearStateBatch
 from replicas.models.layers import RMSNorm
 
 logger = logging.getLogger("ray.serve")  # Serve configures it in replicas: these lines reach the replica log
@@ -52,8 +55,9 @@ def compile_support(model, device: torch.device) -> str | None:
     if not getattr(model, "batch_invariant", False):
         return ("batch_invariant is off: the int4 / int8 / oneDNN linears choose their kernel by the row count in "
                 "Python, which one graph for every batch cannot hold")
-    if getattr(model, "linear_attention_layers", None):
-        return "hybrid model: the recurrent layers are PyTorch loops over sequences (issue 27's native kernels)"
+    if getattr(model, "linear_attention_layers", None) and not all(
+            module.native is not None for module in model.modules() if isinstance(module, GatedDeltaNet)):
+        return "hybrid model with its recurrent layers on the PyTorch path (loops over sequences and groups)"
     return None
 
 
@@ -75,23 +79,29 @@ class CompiledForward:
         self.compiled = False  # True once the graph has run
         self.compile_seconds: float | None = None
 
-    def __call__(self, input_ids, positions, kv_caches, batch: ForwardBatch) -> torch.Tensor:
+    def __call__(self, input_ids, positions, kv_caches, batch: ForwardBatch, *linear_state) -> torch.Tensor:
+        """linear_state: a hybrid model's LinearStateBatch (one argument), else nothing."""
+        args = (input_ids, positions, kv_caches, batch, *linear_state)
         if self.graph is None or batch.mrope_positions is not None or batch.image_embeds is not None:
-            return self.eager(input_ids, positions, kv_caches, batch)
+            return self.eager(*args)
         for name, dims in STEP_DIMS.items():
             tensor = getattr(batch, name)
             for dim in dims:
                 torch._dynamo.decorators.mark_unbacked(tensor, dim)
+        for step in linear_state:
+            for tensor in (step.state_slots, step.has_initial_state, step.snapshot_rows,
+                           *(t for layer in step.snapshots for t in (layer.conv_state, layer.recurrent_state))):
+                torch._dynamo.decorators.mark_unbacked(tensor, 0)
         if self.compiled:
-            return self.graph(input_ids, positions, kv_caches, batch)
+            return self.graph(*args)
         start = time.perf_counter()
         try:
-            out = self.graph(input_ids, positions, kv_caches, batch)
+            out = self.graph(*args)
         except Exception as error:  # a tracing or lowering failure: eager from now on
             logger.warning("compiled step: compiling failed (%s: %s); the forward stays eager",
                            type(error).__name__, str(error).splitlines()[0] if str(error) else "")
             self.graph = None
-            return self.eager(input_ids, positions, kv_caches, batch)
+            return self.eager(*args)
         self.compiled, self.compile_seconds = True, time.perf_counter() - start
         logger.info("compiled step: one graph in %.1f s (Inductor cache %s)", self.compile_seconds, self.cache_dir)
         return out
@@ -103,7 +113,8 @@ class CompiledForward:
 
 def warm_up_scheduled(block_table: list[int]) -> list:
     """A one-token step that writes only slot 0 of block `block_table[0]` (free at start-up): what `ModelRunner`
-    runs once so the graph compiles before the first request. Duck-types `ScheduledRequest`."""
+    runs once so the graph compiles before the first request (a hybrid model's: from state slot 0, which it
+    overwrites, as every sequence's first step does). Duck-types `ScheduledRequest`."""
     request = SimpleNamespace(num_computed_tokens=0, token_ids=[0], block_table=block_table, images=[],
-                              num_tokens=1)
+                              num_tokens=1, state_slot=0, checkpoint_positions=set())
     return [SimpleNamespace(request=request, num_tokens=1, samples=True)]

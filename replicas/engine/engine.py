@@ -30,7 +30,7 @@ from replicas.engine.phases import phase
 from replicas.engine.retention import Retention
 from replicas.engine.scheduler import Scheduler
 from replicas.engine.vision_encoder import load_vision_encoder
-from replicas.models.gated_deltanet import allocate_linear_states
+from replicas.models.gated_deltanet import GatedDeltaNet, allocate_linear_states
 from replicas.models.loader import load_model
 from replicas.request.images import expand_images
 from replicas.request.request import Request, RequestStatus
@@ -71,8 +71,11 @@ class Engine:
         kv_manager = KVCacheManager(self.block_pool, config.block_size, reuse_blocks_alone=not self.is_hybrid)
         self.checkpointer = None
         if self.is_hybrid and config.enable_state_checkpoints and config.enable_prefix_caching:
+            # With the native recurrent ops a step copies states out inside its chunks (no chunk ends there)
+            snapshots = all(m.native is not None for m in self.model.modules() if isinstance(m, GatedDeltaNet))
             self.checkpointer = Checkpointer(CheckpointPool(config.checkpoint_bytes), kv_manager, kv_caches,
-                                             linear_states, save_turn_ends=True, every=config.checkpoint_every)
+                                             linear_states, save_turn_ends=True, every=config.checkpoint_every,
+                                             snapshots=snapshots)
         # Host tier: evicted blocks (and checkpoints) kept packed in host memory, restored on a hit; else None.
         self.host_tier = None
         if config.host_tier_bytes and config.enable_prefix_caching and (not self.is_hybrid or self.checkpointer):
@@ -92,6 +95,7 @@ class Engine:
                                        config.max_num_seqs, config.grammar_compile_threads)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, linear_states,
                                   self.grammars, self.vision, compile_step=config.compile_step)
+        self.runner.snapshot_checkpoints = self.checkpointer is not None and self.checkpointer.snapshots
         self.runner.warm_up()  # the compiled step's graph, before the first request
         # What a conversation's state must match to move here (replicas/engine/migration.py), and what moved.
         self.layout = engine_layout(self)
@@ -241,7 +245,7 @@ class Engine:
             item.request.collected_prompt_logprobs += output.prompt_logprobs.get(item.request.request_id, [])
         with phase("output"):
             if self.checkpointer is not None:
-                self.checkpointer.after_forward(scheduled, output.last_hidden)
+                self.checkpointer.after_forward(scheduled, output.last_hidden, output.snapshots)
             updated = self.scheduler.postprocess(scheduled, output.token_ids)
             self.stats.num_steps += 1
             self.stats.num_generated_tokens += len(updated)

@@ -13,7 +13,7 @@ next prompt token.
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,18 @@ class ModelRunnerOutput:
     logprobs: list[PositionLogprobs | None]  # one per sampling row; None where not asked
     prompt_logprobs: dict[str, list[PositionLogprobs]]  # request id -> this step's prompt positions, in order
     last_hidden: torch.Tensor | None = None  # hybrid models: [S, hidden], each item's last row (for checkpoints)
+    snapshots: list["StepSnapshot"] = field(default_factory=list)  # hybrid: states taken inside this step's chunks
+
+
+@dataclass(slots=True)
+class StepSnapshot:
+    """A hybrid sequence's state after `num_tokens` of its tokens, copied out inside a step (a checkpoint
+    position inside a prefill chunk): what its slot would hold, had the step ended there."""
+    item: int  # the scheduled item
+    num_tokens: int
+    conv_states: list[torch.Tensor]  # per linear layer: [conv_dim, W - 1]
+    recurrent_states: list[torch.Tensor]  # per linear layer: [HV, K, V] float32
+    hidden: torch.Tensor  # [hidden]: the final hidden row of its last token
 
 
 class ModelRunner:
@@ -53,6 +65,8 @@ class ModelRunner:
             logger.info("compiled step off: %s", off)
         self.kv_caches = kv_caches
         self.linear_states = linear_states  # hybrid models: per linear layer, state tensors indexed by slot
+        # hybrid models on the native recurrent ops: checkpoint positions inside a chunk are snapshots
+        self.snapshot_checkpoints = False
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(grammars)
@@ -66,8 +80,10 @@ class ModelRunner:
         """Compiles the step's graph now rather than at the first request: a one-token forward whose KV goes to
         slot 0 of block 0 (every block is free at start-up; its owner writes a slot before reading it)."""
         if isinstance(self.forward, CompiledForward):
-            batch = self.batch_builder.build(warm_up_scheduled([0]))
-            self.forward(batch.input_ids, batch.positions, self.kv_caches, batch)
+            scheduled = warm_up_scheduled([0])
+            batch = self.batch_builder.build(scheduled)
+            linear_state = [] if self.linear_states is None else [self._linear_state(scheduled, batch)[0]]
+            self.forward(batch.input_ids, batch.positions, self.kv_caches, batch, *linear_state)
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
@@ -77,23 +93,25 @@ class ModelRunner:
         with phase("forward"):
             if self.linear_states is None:
                 hidden = self.forward(batch.input_ids, batch.positions, self.kv_caches, batch)  # [T, hidden]
-                last_hidden = None
+                last_hidden, snapshots = None, []
                 sample_hidden = hidden[batch.logits_indices]  # [R, hidden]
             else:
-                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch,
-                                    self._linear_state(scheduled, batch)) if batch.input_ids.numel() else None
+                linear_state, wanted = self._linear_state(scheduled, batch)
+                hidden = self.forward(batch.input_ids, batch.positions, self.kv_caches, batch,
+                                      linear_state) if batch.input_ids.numel() else None
                 last_hidden = self._last_hidden(hidden, batch, scheduled)  # [S, hidden]
+                snapshots = self._snapshots(linear_state, wanted, hidden)
                 sample_hidden = last_hidden[[i for i, item in enumerate(scheduled) if item.samples]]
             prompt_logprobs = self._prompt_logprobs(hidden, scheduled) if hidden is not None else {}
             if sample_hidden.shape[0] == 0:
-                return ModelRunnerOutput([], [], prompt_logprobs, last_hidden)
+                return ModelRunnerOutput([], [], prompt_logprobs, last_hidden, snapshots)
             logits = self.model.compute_logits(sample_hidden)  # [R, vocab] float32
         with phase("sample"):
             sampling_requests = [item.request for item in scheduled if item.samples]
             sampled = self.sampler(logits, sampling_rows(sampling_requests))
             for row, error in sampled.errors.items():
                 sampling_requests[row].error = error  # the scheduler ends it alone (Scheduler.postprocess)
-        return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs, last_hidden)
+        return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs, last_hidden, snapshots)
 
     @staticmethod
     def _last_hidden(hidden: torch.Tensor | None, batch, scheduled: list[ScheduledRequest]) -> torch.Tensor:
@@ -104,11 +122,28 @@ class ModelRunner:
                 for item, end in zip(scheduled, ends)]
         return torch.stack(rows)
 
-    def _linear_state(self, scheduled: list[ScheduledRequest], batch) -> LinearStateBatch:
-        """Each sequence's state slot; a sequence with nothing computed yet starts from zeros."""
+    def _linear_state(self, scheduled: list[ScheduledRequest], batch) -> tuple[LinearStateBatch, list]:
+        """Each sequence's state slot; a sequence with nothing computed yet starts from zeros. With snapshot
+        checkpoints, the rows after which the step copies states out: -> (the batch, [(item, num_tokens)])."""
         slots = torch.tensor([item.request.state_slot for item in scheduled], dtype=torch.int64, device=self.device)
         has_initial = torch.tensor([item.request.num_computed_tokens > 0 for item in scheduled], device=self.device)
-        return make_linear_state_batch(self.linear_states, batch.cu_seqlens, slots, has_initial)
+        rows, wanted = [], []
+        if self.snapshot_checkpoints:
+            starts = batch.cu_seqlens.tolist()
+            for i, item in enumerate(scheduled):
+                done = item.request.num_computed_tokens
+                for position in sorted(p for p in item.request.checkpoint_positions
+                                       if done < p < done + item.num_tokens):
+                    rows.append(starts[i] + position - done - 1)
+                    wanted.append((i, position))
+        return make_linear_state_batch(self.linear_states, batch.cu_seqlens, slots, has_initial, rows), wanted
+
+    @staticmethod
+    def _snapshots(linear_state: LinearStateBatch, wanted: list, hidden: torch.Tensor | None) -> list[StepSnapshot]:
+        return [StepSnapshot(item, num_tokens, [layer.conv_state[j] for layer in linear_state.snapshots],
+                             [layer.recurrent_state[j] for layer in linear_state.snapshots],
+                             hidden[linear_state.snapshot_rows[j]].clone())
+                for j, (item, num_tokens) in enumerate(wanted)]
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          scheduled: list[ScheduledRequest]) -> dict[str, list[PositionLogprobs]]:

@@ -22,6 +22,7 @@ from torch import nn
 
 from replicas.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
 from replicas.kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from replicas.kernels.gated_delta_rule import cpu_native
 
 
 @dataclass(slots=True)
@@ -42,18 +43,23 @@ class LinearGroup:
 
 @dataclass(slots=True)
 class LinearStateBatch:
-    """The step's view of the linear state: every linear layer's slots and the step's two groups."""
+    """The step's view of the linear state: every linear layer's slots and the step's two groups, and where
+    the native ops copy out states inside the step (snapshots: checkpoints that do not end a chunk)."""
     layers: list[LinearLayerState]  # one per linear-attention layer, in layer order
     state_slots: torch.Tensor  # [S] int64, the slot of each sequence of the step
     has_initial_state: torch.Tensor  # [S] bool
     decode: LinearGroup | None  # sequences with one query row this step
     prefill: LinearGroup | None  # sequences with more
+    snapshot_rows: torch.Tensor  # [P] int64, ascending rows of the step: the states after them are copied out
+    snapshots: list[LinearLayerState]  # per linear layer: [P, conv_dim, W - 1] and [P, HV, K, V] (P may be 0)
 
 
 def make_linear_state_batch(layers: list[LinearLayerState], cu_seqlens: torch.Tensor | list[int],
-                            state_slots: torch.Tensor, has_initial_state: torch.Tensor) -> LinearStateBatch:
+                            state_slots: torch.Tensor, has_initial_state: torch.Tensor,
+                            snapshot_rows: list[int] = ()) -> LinearStateBatch:
     """Splits the step (cu_seqlens [S + 1], as ForwardBatch has it) into decode rows and prefill chunks; built
-    once per step by the runner and read by every linear layer. Reads cu_seqlens on the host once."""
+    once per step by the runner and read by every linear layer. Reads cu_seqlens on the host once.
+    snapshot_rows (ascending; native recurrent ops only): rows after which every layer's states are copied out."""
     bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
     device = state_slots.device
@@ -72,7 +78,23 @@ def make_linear_state_batch(layers: list[LinearLayerState], cu_seqlens: torch.Te
         groups.append(LinearGroup(None if everything else torch.tensor(rows, dtype=torch.int64, device=device),
                                   torch.tensor(group_cu, dtype=torch.int64, device=device),
                                   state_slots[index], has_initial_state[index]))
-    return LinearStateBatch(layers, state_slots, has_initial_state, groups[0], groups[1])
+    rows = torch.tensor(list(snapshot_rows), dtype=torch.int64, device=device)
+    snapshots = [LinearLayerState(*(torch.empty(len(rows), *t.shape[1:], dtype=t.dtype, device=device) if len(rows)
+                                    else _no_snapshot(t) for t in (layer.conv_state, layer.recurrent_state)))
+                 for layer in layers]
+    return LinearStateBatch(layers, state_slots, has_initial_state, groups[0], groups[1], rows, snapshots)
+
+
+_NO_SNAPSHOTS: dict[tuple, torch.Tensor] = {}
+
+
+def _no_snapshot(states: torch.Tensor) -> torch.Tensor:
+    """[0, *states.shape[1:]]: the snapshot buffer of a step that takes none, one per state tensor (never written;
+    distinct tensors, as a step that takes snapshots has: the compiled step would guard on their aliasing)."""
+    key = (id(states), tuple(states.shape), states.dtype, states.device)
+    if key not in _NO_SNAPSHOTS:
+        _NO_SNAPSHOTS[key] = states.new_empty(0, *states.shape[1:])
+    return _NO_SNAPSHOTS[key]
 
 
 def linear_state_shapes(config) -> tuple[tuple[int, int], tuple[int, int, int]]:
@@ -90,6 +112,30 @@ def allocate_linear_states(config, num_slots: int, dtype: torch.dtype,
     return [LinearLayerState(torch.zeros(num_slots, *conv_shape, dtype=dtype, device=device),
                              torch.zeros(num_slots, *recurrent_shape, dtype=torch.float32, device=device))
             for _ in range(num_layers)]
+
+
+@dataclass(slots=True)
+class NativeParams:
+    """A GatedDeltaNet's parameters as its native ops take them, made once after loading."""
+    conv_weight_t: torch.Tensor  # [W, conv_dim] float32
+    decay_rate: torch.Tensor  # [HV] float32: exp(A_log)
+    dt_bias: torch.Tensor  # [HV] float32
+    norm_weights: dict  # step dtype -> the gated norm's weight [V] as that dtype rounds it, in float32
+
+
+def use_native_recurrent(model: nn.Module) -> int:
+    """Puts every GatedDeltaNet of the model on the native ops where they build (CPU); returns how many layers.
+    Call after the weights are loaded."""
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    if not layers or cpu_native.native_gated_delta() is None:
+        return 0
+    for layer in layers:
+        norm = layer.norm.weight.detach()
+        layer.native = NativeParams(
+            layer.conv1d.weight.detach().squeeze(1).float().t().contiguous(), layer.A_log.detach().float().exp(),
+            layer.dt_bias.detach().float(),
+            {dtype: norm.to(dtype).float() for dtype in (torch.float32, torch.bfloat16)})
+    return len(layers)
 
 
 class GatedRMSNorm(nn.Module):
@@ -134,13 +180,21 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.native: NativeParams | None = None  # set by use_native_recurrent: the native ops' float32 copies
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, state: LinearLayerState | None = None,
-                step: LinearStateBatch | None = None) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]. Without a step every sequence starts from zeros and no state is kept."""
+                step: LinearStateBatch | None = None, snapshot: LinearLayerState | None = None) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]. Without a step every sequence starts from zeros and no state is kept.
+        snapshot: this layer's buffers for the step's snapshot rows (the native ops only take any)."""
         num_tokens = x.shape[0]
         mixed_qkv = self.in_proj_qkv(x)  # [T, conv_dim]
         z = self.in_proj_z(x).view(num_tokens, self.num_v_heads, self.head_v_dim)
+        if self.native is not None:
+            o = self._native_core(mixed_qkv, z, self.in_proj_a(x), self.in_proj_b(x), cu_seqlens, state, step,
+                                  snapshot)
+            return self.out_proj(o.view(num_tokens, self.value_dim))
+        if step is not None and step.snapshot_rows.numel():
+            raise ValueError("snapshots inside a step need the native recurrent ops")
         beta = self.in_proj_b(x).sigmoid()  # [T, HV]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, HV] float32
         if step is None:
@@ -160,6 +214,31 @@ class GatedDeltaNet(nn.Module):
                 o[rows] = o_g
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.view(num_tokens, self.value_dim))
+
+    def _native_core(self, mixed_qkv, z, a, b, cu_seqlens, state: LinearLayerState | None,
+                     step: LinearStateBatch | None, snapshot: LinearLayerState | None = None) -> torch.Tensor:
+        """The conv, the delta rule and the gated norm of every sequence of the step, two native calls:
+        mixed_qkv [T, conv_dim], z [T, HV, V], a, b [T, HV] -> [T, HV, V]. Without a step: scratch slots."""
+        dtype = mixed_qkv.dtype
+        if step is None:
+            num_seqs, device = cu_seqlens.numel() - 1, mixed_qkv.device
+            state = LinearLayerState(
+                torch.zeros(num_seqs, self.conv_dim, self.conv1d.weight.shape[-1] - 1, dtype=dtype, device=device),
+                torch.zeros(num_seqs, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=device))
+            slots = torch.arange(num_seqs, device=mixed_qkv.device)
+            has_initial = torch.zeros(num_seqs, dtype=torch.bool, device=mixed_qkv.device)
+        else:
+            slots, has_initial = step.state_slots, step.has_initial_state
+        params = self.native
+        rows = cpu_native.NO_SNAPSHOTS[0] if snapshot is None else step.snapshot_rows
+        conv_out, recurrent_out = (cpu_native.NO_SNAPSHOTS[1],) * 2 if snapshot is None else \
+            (snapshot.conv_state, snapshot.recurrent_state)
+        y = cpu_native.conv1d_silu_step(mixed_qkv, params.conv_weight_t, cu_seqlens, slots, has_initial,
+                                        state.conv_state, (rows, conv_out))
+        return cpu_native.gated_delta_step(y, a.to(dtype), b.to(dtype), z.to(dtype), params.decay_rate,
+                                           params.dt_bias, params.norm_weights[dtype], self.norm.eps, cu_seqlens,
+                                           slots, has_initial, state.recurrent_state, self.num_k_heads,
+                                           self.head_k_dim ** -0.5, (rows, recurrent_out))
 
     def _run_group(self, mixed_qkv, g, beta, group: LinearGroup, state: LinearLayerState | None,
                    is_decode: bool) -> torch.Tensor:

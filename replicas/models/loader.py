@@ -15,7 +15,8 @@ from replicas.cpu_isa import cpu_isa
 from replicas.kernels.cpu_linear import PackedLinear, can_pack, pack_linears
 from replicas.kernels.cpu_linear.int4 import find_four_bit_linears, int4_backend, use_int4_linears
 from replicas.kernels.cpu_linear.int8_native import Int8Linear
-from replicas.kernels.cpu_linear.invariant_native import (InvariantInt8Linear, InvariantLinear, native_invariant,
+from replicas.kernels.cpu_linear.invariant_native import (InvariantBf16WeightLinear, InvariantInt8Linear,
+                                                          InvariantLinear, native_invariant,
                                                           use_invariant_linears)
 from replicas.kernels.paged_attention import can_use_native_attention
 from replicas.kernels.cpu_linear.gguf_blocks import GGUFLinear
@@ -24,6 +25,7 @@ from replicas.models.gguf_loader import (gguf_file, kept_summary, load_dequantiz
                                         use_gguf_shells)
 from replicas.models.layers import MergedLinear, use_native_ops
 from replicas.models.llama import LlamaForCausalLM
+from replicas.models.gated_deltanet import use_native_recurrent
 from replicas.models.moe import use_native_experts
 from replicas.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from replicas.models.rope import RotaryEmbedding
@@ -107,7 +109,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         elif pack_weights and can_pack(device):
             pack_linears(model)
     elif invariant:
-        int8_head = InvariantInt8Linear.from_weight(head_weight)
+        # A Q8_0 head keeps its 8-bit groups; a bf16 checkpoint's float32 head its bf16 values (the same sums)
+        int8_head = InvariantInt8Linear.from_weight(head_weight) or \
+            InvariantBf16WeightLinear.from_weight(head_weight, model.lm_head.bias)
         model.lm_head = int8_head or model.lm_head
         use_invariant_linears(model, four_bit)  # last: merged projections and the float32 head are final now
         four_bit = {}  # held by the fixed-order layers, not by Int4Linear wrappers
@@ -122,17 +126,26 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     model.native_attention = native and can_use_native_attention(device)
     num_fused = use_native_ops(model) if native and device.type == "cpu" else 0
     num_native_moe = use_native_experts(model) if native and device.type == "cpu" else 0
+    num_native_recurrent = use_native_recurrent(model) if native and device.type == "cpu" else 0
     if device.type == "cpu":
         fixed_order = [m for m in model.modules() if isinstance(m, InvariantLinear)]
         logger.info("CPU paths (ISA %s, %s): batch invariant %s, packed linears %d, fixed-order linears %d (%d with "
-                    "4-bit groups), int4 layers %d (%s), head %s, attention %s, fused ops %s, MoE decode %s",
+                    "4-bit groups), int4 layers %d (%s), head %s, attention %s, fused ops %s, MoE decode %s, "
+                    "recurrent layers %s",
                     cpu_isa(), str(dtype).removeprefix("torch."), "on" if invariant else "off",
                     sum(isinstance(m, PackedLinear) for m in model.modules()), len(fixed_order),
                     sum(m.q4 is not None for m in fixed_order), len(four_bit), int4 or "off",
-                    "GGUF blocks" if gguf_head else "int8 (native)" if int8_head is not None else "float32",
+                    "GGUF blocks" if gguf_head else _head_form(int8_head),
                     "native" if model.native_attention else "pytorch", "native" if num_fused else "pytorch",
-                    f"native ({num_native_moe} layers)" if num_native_moe else "grouped matmul")
+                    f"native ({num_native_moe} layers)" if num_native_moe else "grouped matmul",
+                    f"native ({num_native_recurrent})" if num_native_recurrent else "pytorch")
     return model.eval(), model.config  # a multimodal checkpoint's: its language model's config
+
+
+def _head_form(head) -> str:
+    if isinstance(head, InvariantBf16WeightLinear):
+        return "float32 (bf16-exact weights kept in bf16)"
+    return "float32" if head is None else "int8 (native)"
 
 
 def _can_run_invariant(device: torch.device, native: bool) -> bool:

@@ -71,10 +71,10 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope: StepRope, x, batch: ForwardBatch, kv_cache=None, linear_state=None,
-                step: LinearStateBatch | None = None):
+                step: LinearStateBatch | None = None, snapshot=None):
         h = self.input_layernorm(x)
         if self.is_linear:
-            h = self.linear_attn(h, batch.cu_seqlens, linear_state, step)
+            h = self.linear_attn(h, batch.cu_seqlens, linear_state, step, snapshot)
         else:
             h = self.self_attn(rope, h, kv_cache, batch)
         x = x + h
@@ -95,11 +95,11 @@ class Qwen3_5TextModel(nn.Module):
         rope = self.rotary.step_rope(positions) if batch.mrope_positions is None else \
             self.rotary.step_mrope(batch.mrope_positions, mrope_columns(self.rotary.rotary_dim, self.mrope_sections))
         kv_iter = iter(kv_caches)
-        state_iter = iter(linear_state.layers) if linear_state is not None else None
+        state_iter = iter(zip(linear_state.layers, linear_state.snapshots)) if linear_state is not None else None
         for layer in self.layers:
             if layer.is_linear:
-                layer_state = next(state_iter) if state_iter is not None else None
-                x = layer(rope, x, batch, linear_state=layer_state, step=linear_state)
+                layer_state, snapshot = next(state_iter) if state_iter is not None else (None, None)
+                x = layer(rope, x, batch, linear_state=layer_state, step=linear_state, snapshot=snapshot)
             else:
                 x = layer(rope, x, batch, kv_cache=next(kv_iter))
         return self.norm(x)

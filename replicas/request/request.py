@@ -52,6 +52,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     state_slot: int | None = None  # hybrid models: the recurrent-state slot this sequence owns while running
     checkpoint_positions: set[int] = field(default_factory=set)  # hybrid: save the state after these many tokens
+    chunk_at_checkpoints: bool = True  # hybrid: prefill chunks end on them (False: the step snapshots them inside)
     last_hidden: torch.Tensor | None = None  # hybrid: final hidden row of the last token fed forward
     restored_hidden: torch.Tensor | None = None  # hybrid: a whole-prompt checkpoint's row, to sample from
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks of token_ids
@@ -85,6 +86,8 @@ class Request:
         """How far a chunk from `start` (default: the computed tokens) may run so it ends on the next
         checkpoint position; no limit without one."""
         start = self.num_computed_tokens if start is None else start
+        if not self.chunk_at_checkpoints:
+            return 1 << 30
         return min((p - start for p in self.checkpoint_positions if p > start), default=1 << 30)
 
     @property

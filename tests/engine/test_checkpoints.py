@@ -116,3 +116,26 @@ if __name__ == "__main__":
     import sys
 
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_checkpoints_are_the_same_bits_however_the_prompt_was_chunked(tiny_hybrid_dir, dtype):
+    """A 70-token prompt with boundaries at 21 and 64, prefilled in one step, in 16-token steps, and in 16-token
+    steps beside another request: every saved checkpoint's conv and recurrent states and hidden row are equal
+    bit for bit (the native recurrent ops run each sequence token by token; the linears are batch invariant)."""
+    prompt, boundaries = prompts([70], start=4100)[0], [21, 64]
+    saved = []
+    for budget, rider in ((512, None), (16, None), (16, prompts([40], start=5200)[0])):
+        engine = Engine(EngineConfig(model=str(tiny_hybrid_dir), dtype=dtype, block_size=BLOCK, num_kv_blocks=256,
+                                     max_num_batched_tokens=budget))
+        if rider is not None:
+            engine.add_request(GenerateRequest("rider", rider, SamplingParams(temperature=0.0, max_tokens=30)))
+        run(engine, prompt, max_tokens=2, boundaries=boundaries)
+        pool = engine.checkpointer.pool
+        saved.append([pool.lookup(prompt, n)[0] for n in boundaries])
+    assert [c.num_tokens for c in saved[0]] == boundaries
+    for other in saved[1:]:
+        for a, b in zip(saved[0], other):
+            assert a.num_tokens == b.num_tokens and torch.equal(a.hidden, b.hidden)
+            assert all(torch.equal(x, y) for x, y in zip(a.conv_states + a.recurrent_states,
+                                                         b.conv_states + b.recurrent_states))

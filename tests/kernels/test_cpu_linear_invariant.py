@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from replicas.kernels.cpu_linear.int4 import four_bit_groups
-from replicas.kernels.cpu_linear.invariant_native import (INT4_MAX_ROWS, InvariantInt8Linear, InvariantLinear,
-                                                          invariant_linear, native_invariant, pack_invariant_weight,
+from replicas.kernels.cpu_linear.invariant_native import (INT4_MAX_ROWS, InvariantBf16WeightLinear,
+                                                          InvariantInt8Linear, InvariantLinear, invariant_linear,
+                                                          native_invariant, pack_invariant_weight,
                                                           use_invariant_linears)
 from replicas.kernels.cpu_linear.naive import dequantize_int8, naive_packed_linear
 from tests.kernels.test_cpu_linear import NOT_BUILT, assert_matches, q8_groups
@@ -134,3 +135,24 @@ def test_fixed_order_four_bit_groups_give_the_dense_float32_bits(n, k):
     for extra in ((), (four_bit.weight, 2)):  # the 4-bit groups; the dense weight above 2 rows
         torch.library.opcheck(native_invariant().invariant_int4_linear.default,
                               (x[:3], q, scale, offset, 32, n, torch.empty(3, n), *extra))
+
+
+@needs_native_invariant
+@pytest.mark.parametrize("n,k", [(1000, 96), (33, 64), (577, 576)], ids=lambda v: str(v))
+def test_bf16_weights_of_a_float32_head_give_its_float32_bits(n, k):
+    """A bf16 checkpoint's head, kept float32: stored in bf16 and widened in the kernel, every row count gives
+    the float32 copy's outputs bit for bit. A weight that is not all bf16 values is refused."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16).float()
+    bias = torch.randn(n, generator=gen)
+    linear = nn.Linear(k, n).requires_grad_(False)
+    linear.weight.copy_(weight)
+    linear.bias.copy_(bias)
+    dense = InvariantLinear(linear)  # the float32 copy on the widen form
+    head = InvariantBf16WeightLinear.from_weight(weight, bias)
+    assert head is not None and head.weight.dtype == torch.float32
+    assert head.packed.dtype == torch.bfloat16  # half the bytes of the float32 copy
+    for rows in (1, 3, 8, 17):
+        x = torch.randn(rows, k, generator=gen)
+        assert torch.equal(head(x), dense(x))
+    assert InvariantBf16WeightLinear.from_weight(weight + 1e-4) is None

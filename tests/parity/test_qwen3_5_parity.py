@@ -11,7 +11,7 @@ import torch
 from core.messages import SamplingParams
 from replicas.engine.model_runner import ModelRunner
 from replicas.engine.scheduler import ScheduledRequest
-from replicas.models.gated_deltanet import allocate_linear_states, make_linear_state_batch
+from replicas.models.gated_deltanet import allocate_linear_states, make_linear_state_batch, use_native_recurrent
 from replicas.models.qwen3_5 import Qwen3_5ForCausalLM
 from replicas.request.request import Request
 
@@ -26,10 +26,11 @@ def tiny_qwen3_5_dir(smollm2_dir, tmp_path_factory):
     return make_tiny_qwen3_5(tmp_path_factory.mktemp("tiny-qwen3_5"), smollm2_dir)
 
 
-@pytest.fixture(scope="module")
-def models(tiny_qwen3_5_dir):
+@pytest.fixture(scope="module", params=["pytorch", "native"])
+def models(tiny_qwen3_5_dir, request):
     """(ours, transformers'), both float32. Ours is loaded as replicas/models/loader.py loads: on the meta
-    device, then name for name from the safetensors."""
+    device, then name for name from the safetensors; its recurrent layers on their PyTorch path or on the native
+    ops (replicas/kernels/gated_delta_rule/cpu_native.py)."""
     from transformers import Qwen3_5ForCausalLM as Reference
 
     from replicas.models.loader import _init_buffers, _load_weights, load_config
@@ -41,6 +42,8 @@ def models(tiny_qwen3_5_dir):
     ours.tie_weights()
     _load_weights(ours, tiny_qwen3_5_dir)
     _init_buffers(ours, config, torch.device("cpu"))
+    if request.param == "native" and use_native_recurrent(ours) == 0:
+        pytest.skip("the native gated delta ops did not build")
     ref = Reference.from_pretrained(str(tiny_qwen3_5_dir), dtype=torch.float32).eval()
     return ours.eval(), ref
 

@@ -84,14 +84,15 @@ struct Pairs {
   }
 };
 
-// The widen form: x and w of type T; acc[m][b] = fma(x[m, k], w[n, k], acc) for k in order.
-template <typename T>
+// The widen form: x of type T, w of type W (T, or bf16 under float32 x: a bf16 checkpoint's float32 head, the
+// same sums as its float32 copy at half the bytes); acc[m][b] = fma(x[m, k], w[n, k], acc) for k in order.
+template <typename T, typename W = T>
 struct Widen {
   using X = T;
-  const T* w;
+  const W* w;
   template <int MB, int NB>
   void accumulate(const Problem& pb, const T* xr, int64_t b0, vf (&acc)[MB][NB]) const {
-    const T* wb = w + b0 * pb.block_stride;
+    const W* wb = w + b0 * pb.block_stride;
     for (int64_t k = 0; k < pb.K; ++k) {
       vf wv[NB];
       unroll<NB>([&](auto b) { wv[b] = vload(wb + b * pb.block_stride + k * VL); });
@@ -266,6 +267,24 @@ void invariant_linear(const at::Tensor& x, const at::Tensor& w, const std::optio
     run(pb, Widen<float>{w.data_ptr<float>()}, x.data_ptr<float>(), b, out.data_ptr<float>());
 }
 
+// x [M, K] float32 (rows contiguous), w bf16 packed [N/VL][K][VL] (the widen layout), bias [N] float32 or None,
+// out [M, N] float32: the widen form over weights stored in bf16, widened exactly -- a bf16 checkpoint's
+// float32 layer (its head) with the sums of its float32 copy, bit for bit, reading half the bytes.
+void invariant_bf16_weight_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                                  int64_t out_features, at::Tensor out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+              "invariant_bf16_weight_linear: float32 x, bf16 w");
+  check_x_out(x, out, out_features, at::kFloat);
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out_features),
+              "invariant_bf16_weight_linear: bias must be float32 [N]");
+  const int64_t K = x.size(1), blocks = (out_features + VL - 1) / VL;
+  TORCH_CHECK(w.numel() == blocks * K * VL, "invariant_bf16_weight_linear: w must be packed [N/VL][K][VL]");
+  const Problem pb{x.size(0), K, out_features, x.stride(0), K * VL};
+  if (pb.M == 0 || pb.N == 0) return;
+  run(pb, Widen<float, bf16>{w.data_ptr<bf16>()}, x.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+      out.data_ptr<float>());
+}
+
 // x [M, K] float32 (rows contiguous), q packed [N/VL][K][VL] int8, scale packed [N/VL][K/G][VL] float32,
 // out [M, N] float32 contiguous -> out = x @ (q * scale).T.
 void invariant_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t group_size,
@@ -315,6 +334,7 @@ std::vector<int64_t> invariant_layout(bool bf) { return {VL, bf && kPairs ? 1 : 
 
 TORCH_LIBRARY_FRAGMENT(tether, m) {
   m.def("invariant_linear(Tensor x, Tensor w, Tensor? bias, int out_features, Tensor(a!) out) -> ()");
+  m.def("invariant_bf16_weight_linear(Tensor x, Tensor w, Tensor? bias, int out_features, Tensor(a!) out) -> ()");
   m.def("invariant_int8_linear(Tensor x, Tensor q, Tensor scale, int group_size, int out_features, Tensor(a!) out) -> ()");
   m.def("invariant_int4_linear(Tensor x, Tensor q, Tensor scale, Tensor offset, int group_size, int out_features, "
         "Tensor(a!) out, Tensor? dense=None, int max_rows=0) -> ()");
@@ -323,6 +343,7 @@ TORCH_LIBRARY_FRAGMENT(tether, m) {
 
 TORCH_LIBRARY_IMPL(tether, CPU, m) {
   m.impl("invariant_linear", &invariant_linear);
+  m.impl("invariant_bf16_weight_linear", &invariant_bf16_weight_linear);
   m.impl("invariant_int8_linear", &invariant_int8_linear);
   m.impl("invariant_int4_linear", &invariant_int4_linear);
 }

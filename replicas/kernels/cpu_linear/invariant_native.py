@@ -32,7 +32,8 @@ def native_invariant():
     from replicas.kernels.native_build import load_native, mutates_only
 
     return load_native("tether_invariant_gemm", [SOURCE], {"invariant_linear": mutates_only,
-                       "invariant_int8_linear": mutates_only, "invariant_int4_linear": mutates_only})
+                       "invariant_bf16_weight_linear": mutates_only, "invariant_int8_linear": mutates_only,
+                       "invariant_int4_linear": mutates_only})
 
 
 def pack_invariant_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -159,6 +160,43 @@ class InvariantInt8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 groups of " \
                f"{self.group_size}, batch-invariant"
+
+
+class InvariantBf16WeightLinear(nn.Module):
+    """A float32 layer whose weights are all bf16 values (a bf16 checkpoint's head, which the loader keeps in
+    float32): the weights stored in bf16, widened exactly in the kernel, so its outputs are the float32 copy's
+    bit for bit (the widen form's sums) at half the bytes a decode step reads. Float32 in, float32 out."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        block = torch.ops.tether.invariant_layout(False)[0]
+        self.register_buffer("packed", _blocked(weight.detach().to(torch.bfloat16), block), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        self.register_buffer("dtype_probe", torch.empty(0), persistent=False)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """Over `weight` [N, K] float32 where every value is a bf16 value, else None."""
+        if native_invariant() is None or weight.dtype != torch.float32:
+            return None
+        return cls(weight, bias) if torch.equal(weight.to(torch.bfloat16).float(), weight) else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A float32 tensor: the models cast the head's input to `lm_head.weight.dtype`."""
+        return self.dtype_probe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features] float32 -> [T, out_features] float32
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        torch.ops.tether.invariant_bf16_weight_linear(rows, self.packed, self.bias, self.out_features, out)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16 weights, float32 sums, " \
+               f"batch-invariant"
 
 
 def use_invariant_linears(model: nn.Module, four_bit: dict[str, tuple] | None = None) -> int:
