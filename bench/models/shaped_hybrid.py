@@ -37,10 +37,22 @@ def gguf(shape: str, out_type: str = "bf16") -> Path:
     install_llama_server(workdir, allowed=True)  # unpacks the vendored llama.cpp source
     source = next((workdir / "src").glob("llama_cpp_python-*/vendor/llama.cpp"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(source / "gguf-py"), "HF_HUB_OFFLINE": "1"}
-    subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(checkpoint(shape)), "--no-mtp", "--outtype",
-                                    out_type, "--outfile", str(path)], env=env, check=True)  # random weights: no MTP head
+    env = {**os.environ, "PYTHONPATH": f"{source}:{source / 'gguf-py'}", "HF_HUB_OFFLINE": "1"}
+    args = [str(checkpoint(shape)), "--no-mtp", "--outtype", out_type, "--outfile", str(path)]  # random: no MTP
+    subprocess.run([sys.executable, "-c", CONVERT, str(source / "convert_hf_to_gguf.py"), *args], env=env, check=True)
     return path
+
+
+# The converter names the tokenizer's pre-tokenizer by hashing what AutoTokenizer makes of a test string. For a
+# qwen3_5_moe checkpoint transformers builds its Qwen3_5Tokenizer over SmolLM2's vocabulary whatever
+# tokenizer_config says, and the hash matches nothing: the tokenizer here is SmolLM2's, so it is named so.
+CONVERT = """
+import runpy, sys
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def main() -> None:

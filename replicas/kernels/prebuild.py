@@ -2,7 +2,7 @@
 
     python -m replicas.kernels.prebuild [--jobs 2]
 
-An op otherwise builds when it is first needed, one after another (six libraries, ~160 s on 2 cores from a cold
+An op otherwise builds when it is first needed, one after another (eight libraries, minutes on 2 cores from a cold
 cache). The test suite starts this in the background at session start (tests/conftest.py), so the builds share
 the cores; an image build can run it once so its replicas never compile. A process that needs an op while it is
 building here waits on the build's file lock and loads the result. Honors TETHER_NATIVE and TETHER_CPU_ISA.
@@ -19,6 +19,7 @@ GETTERS = [("replicas.kernels.cpu_linear.int4_native", "native_int4"),
            ("replicas.kernels.cpu_linear.invariant_native", "native_invariant"),
            ("replicas.kernels.cpu_linear.gguf_blocks", "native_gguf"),
            ("replicas.kernels.cpu_linear.expert_native", "native_experts"),
+           ("replicas.kernels.gated_delta_rule.cpu_native", "native_gated_delta"),
            ("replicas.kernels.paged_attention.cpu_native", "native_ops")]
 
 

@@ -128,3 +128,33 @@ def test_a_shut_down_engine_refuses_requests_instead_of_hanging(tiny_llama_dir):
     with pytest.raises(RequestError, match="shutting down") as refused:
         asyncio.run(asyncio.wait_for(generate(), timeout=10))
     assert refused.value.status_code == 503  # retryable: another replica serves it
+
+
+def test_a_bf16_checkpoints_float32_head_keeps_bf16_weights_and_their_float32_sums(tiny_llama_dir, tmp_path):
+    """A checkpoint stored in bf16, served in bf16: its head stays float32 (logits at float32 precision) but
+    its weights are bf16 values, so the head keeps them in bf16 (half the bytes a decode step reads) and gives
+    the logits of their float32 copy bit for bit."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from replicas.kernels.cpu_linear.invariant_native import (InvariantBf16WeightLinear, InvariantLinear,
+                                                              native_invariant)
+
+    if native_invariant() is None:
+        pytest.skip("the fixed-order linear kernel did not build")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_llama_dir / name).exists():
+            shutil.copy(tiny_llama_dir / name, tmp_path / name)
+    weights = load_file(str(tiny_llama_dir / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
+    engine = Engine(EngineConfig(model=str(tmp_path), dtype="bfloat16"))
+    assert isinstance(engine.model.lm_head, InvariantBf16WeightLinear)
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).to(torch.bfloat16).float()
+    dense = torch.nn.Linear(head.shape[1], head.shape[0], bias=False)
+    with torch.no_grad():
+        dense.weight.copy_(head)
+    reference = InvariantLinear(dense)  # the float32 copy on the same fixed-order kernel
+    hidden = torch.randn(5, head.shape[1])
+    with torch.inference_mode():
+        assert torch.equal(engine.model.compute_logits(hidden), reference(hidden))
