@@ -125,13 +125,36 @@ def _exact_int4(linear: nn.Linear, four_bit: tuple):
     return (q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous(), scale, offset
 
 
-class InvariantInt8Linear(nn.Module):
+class Float32Head(nn.Module):
+    """A float32-in, float32-out linear over weights kept in a narrower exact form (the heads below): what the
+    models see of it is a float32 `weight` (they cast the head's input to `lm_head.weight.dtype`) and forward."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("dtype_probe", torch.empty(0), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dtype_probe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features] float32 -> [T, out_features] float32
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        self.apply_into(rows, out)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def apply_into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class InvariantInt8Linear(Float32Head):
     """A bias-free linear over 8-bit groups (a GGUF Q8_0 head: q int8 [N, K], scale float32 [N, K/G], applied
     exactly as q * scale) on the fixed-order kernel: float32 in, float32 out, at every row count."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
+        super().__init__(*q.shape)
         self.group_size = self.in_features // scale.shape[1]
         block = torch.ops.tether.invariant_layout(False)[0]
         self.register_buffer("q", _blocked(q.to(torch.int8), block), persistent=False)
@@ -145,35 +168,24 @@ class InvariantInt8Linear(nn.Module):
         groups = eight_bit_groups(weight) if native_invariant() is not None else None
         return None if groups is None else cls(*groups)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """A float32 tensor: the models cast the head's input to `lm_head.weight.dtype`."""
-        return self.scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in_features] float32 -> [T, out_features] float32
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+    def apply_into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         torch.ops.tether.invariant_int8_linear(rows, self.q, self.scale, self.group_size, self.out_features, out)
-        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 groups of " \
                f"{self.group_size}, batch-invariant"
 
 
-class InvariantBf16WeightLinear(nn.Module):
+class InvariantBf16WeightLinear(Float32Head):
     """A float32 layer whose weights are all bf16 values (a bf16 checkpoint's head, which the loader keeps in
     float32): the weights stored in bf16, widened exactly in the kernel, so its outputs are the float32 copy's
     bit for bit (the widen form's sums) at half the bytes a decode step reads. Float32 in, float32 out."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
+        super().__init__(*weight.shape)
         block = torch.ops.tether.invariant_layout(False)[0]
         self.register_buffer("packed", _blocked(weight.detach().to(torch.bfloat16), block), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
-        self.register_buffer("dtype_probe", torch.empty(0), persistent=False)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -182,17 +194,8 @@ class InvariantBf16WeightLinear(nn.Module):
             return None
         return cls(weight, bias) if torch.equal(weight.to(torch.bfloat16).float(), weight) else None
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """A float32 tensor: the models cast the head's input to `lm_head.weight.dtype`."""
-        return self.dtype_probe
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in_features] float32 -> [T, out_features] float32
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+    def apply_into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         torch.ops.tether.invariant_bf16_weight_linear(rows, self.packed, self.bias, self.out_features, out)
-        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bf16 weights, float32 sums, " \
