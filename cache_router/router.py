@@ -6,7 +6,9 @@ Contract (runs inside each caller's process, on the handle's event loop; never b
   of its conversation, and the chained block hashes of its prompt ids (the replicas'
   prefix-cache function, `core.hashing.block_hashes`).
 - Knowledge (`CacheKnowledge`): the replicas' reports (`record_routing_stats`: held block
-  hashes and conversations, ~one period late) merged with what this router sent where.
+  hashes and conversations, ~one period late) merged with what this router sent where;
+  inverted (a block -> the replicas holding it), so a decision reads one entry per prompt
+  block and hashes the key only against the replicas a policy step weighs (`policy.py`, "Cost").
 - Policy (`cache_router.policy.choose`): the replica holding the conversation, else a far
   longer prefix, else the rendezvous owner of the route key, each only within the
   imbalance threshold; else the least loaded of two choices. A request that waited
@@ -33,8 +35,9 @@ from ray.serve.request_router import PendingRequest, RequestRouter, ReplicaID, R
 
 from cache_router.knowledge import CacheKnowledge
 from cache_router.metrics import RouterMetrics
-from cache_router.policy import Candidate, PolicyConfig, choose
-from core.hashing import block_hashes, short_hash
+from cache_router.policy import Candidates, PolicyConfig, choose
+from cache_router.roster import Roster
+from core.hashing import block_hashes, short_hash, short_hashes
 
 DEFAULT_IMBALANCE_THRESHOLD = 8
 DEFAULT_MAX_WAIT_S = 5.0
@@ -94,6 +97,7 @@ class ConversationRouter(RequestRouter):
         self.knowledge = CacheKnowledge(ttl_s=float(knowledge_ttl_s))
         self.router_metrics = RouterMetrics()
         self._blocks_memo: OrderedDict[str, list[int]] = OrderedDict()  # request id -> short block hashes
+        self._roster: Optional[Roster] = None  # of the last candidate list
 
     async def choose_replicas(
         self,
@@ -106,16 +110,19 @@ class ConversationRouter(RequestRouter):
         key = request_route_key(pending_request)
         request = routed_request(pending_request)
         waited = pending_request is not None and time.time() - pending_request.created_at > self.max_wait_s
-        if key is None or waited:
-            self._note(request, candidate_replicas, None, "waited" if waited else "load")
-            return [self._by_load(candidate_replicas)]
+        roster = self._roster_of(candidate_replicas)
         now = time.monotonic()
         blocks = self._prompt_blocks(request)
-        candidates = [self._candidate(r, request, key, blocks, now) for r in candidate_replicas]
-        choice = choose(candidates, key, self.policy, self.knowledge.shared_blocks(blocks))
-        self._note(request, candidate_replicas, candidates, choice.reason)
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        return [[by_id[rid] for rid in choice.replica_ids]]
+        by_matched = self.knowledge.matched_blocks(roster.live, blocks, now)
+        if key is None or waited:
+            self._note(request, roster, [], by_matched, "waited" if waited else "load")
+            return [self._by_load(candidate_replicas)]
+        history = getattr(request, "history_key", None)
+        holders = self.knowledge.conversation_holders(roster.live, short_hash(history) if history else None, key, now)
+        choice = choose(self._candidates(roster, holders, by_matched), key, self.policy,
+                        self.knowledge.shared_blocks(blocks))
+        self._note(request, roster, holders, by_matched, choice.reason)
+        return [[roster.by_id[rid] for rid in choice.replica_ids]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         """The request was accepted by `replica_id`: remember what it now holds; export the decision."""
@@ -123,15 +130,33 @@ class ConversationRouter(RequestRouter):
         rid = replica_id.unique_id
         self.knowledge.record_routed(rid, request_route_key(pending_request), self._prompt_blocks(request))
         predictions = getattr(request, "predicted_cached_tokens", None) or {}
-        predicted = predictions.get(rid, 0)
-        best_elsewhere = max((n for other, n in predictions.items() if other != rid), default=0)
+        elsewhere = dict(predictions)
+        predicted = elsewhere.pop(rid, 0)
+        best_elsewhere = max(elsewhere.values(), default=0)
         self.router_metrics.record(rid, getattr(request, "route_reason", "") or "load", predicted, best_elsewhere)
         self._blocks_memo.pop(getattr(request, "request_id", None), None)
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
-        """A replica that died or was removed drops out of the knowledge at once."""
+        """A replica that died or was removed drops out of the knowledge at once. Serve also hands the router
+        new routing stats this way (each RunningReplicaInfo broadcast), so reports are taken in here, off the
+        decisions' path (a decision only checks that each replica's report is the one taken)."""
         super().update_replicas(replicas)
         self.knowledge.retain_only(r.replica_id.unique_id for r in replicas)
+        self._roster = None  # its mask may name slots the knowledge just freed
+        self._roster_of(replicas)
+
+    def _roster_of(self, replicas: List[RunningReplica]) -> Roster:
+        """The roster of this candidate list (the last one's, when Serve passes the same list), reports taken."""
+        if self._roster is None or not self._roster.is_for(replicas):
+            self._roster = Roster(replicas, self.knowledge)
+        self._roster.observe_reports(self.knowledge)
+        return self._roster
+
+    def _candidates(self, roster: Roster, holders: List[str], by_matched: dict) -> Candidates:
+        """The policy's view: loads and limits looked up only for the replicas it weighs."""
+        queue_lens = self.replica_queue_len_cache
+        return Candidates(roster.ids, lambda rid: queue_lens.get(roster.by_id[rid].replica_id),
+                          lambda rid: roster.by_id[rid].max_ongoing_requests, holders, by_matched)
 
     def _prompt_blocks(self, request) -> list[int]:
         """Short hashes of the full blocks of the request's prompt ids, computed once per request."""
@@ -139,46 +164,29 @@ class ConversationRouter(RequestRouter):
             return []
         blocks = self._blocks_memo.get(request.request_id)
         if blocks is None:
-            blocks = [short_hash(h) for h in block_hashes(request.prompt_token_ids, self.block_size)]
+            blocks = short_hashes(block_hashes(request.prompt_token_ids, self.block_size))
             self._blocks_memo[request.request_id] = blocks
             while len(self._blocks_memo) > _MEMO_SIZE:
                 self._blocks_memo.popitem(last=False)
         return blocks
 
-    def _candidate(self, replica: RunningReplica, request, key: str, blocks: list[int], now: float) -> Candidate:
-        rid = replica.replica_id.unique_id
-        self.knowledge.observe_report(rid, replica.routing_stats)
-        history = getattr(request, "history_key", None)
-        return Candidate(
-            replica_id=rid,
-            queue_len=self.replica_queue_len_cache.get(replica.replica_id),
-            max_ongoing=replica.max_ongoing_requests,
-            holds_conversation=self.knowledge.holds_conversation(
-                rid, short_hash(history) if history else None, key, now),
-            matched_blocks=self.knowledge.matched_blocks(rid, blocks, now))
-
-    def _note(self, request, replicas: List[RunningReplica], candidates: Optional[List[Candidate]],
-              reason: str) -> None:
-        """Writes the policy step and the per-replica cached-token predictions onto the request."""
+    def _note(self, request, roster: Roster, holders: List[str], by_matched: dict, reason: str) -> None:
+        """Writes the policy step and the per-replica cached-token predictions onto the request: its matched
+        blocks, or the history of a conversation it holds; never the whole prompt (the last token is always
+        computed)."""
         if request is None or not hasattr(request, "predicted_cached_tokens"):
             return
         request.route_reason = reason
-        if candidates is None:
-            now = time.monotonic()
-            blocks = self._prompt_blocks(request)
-            candidates = [Candidate(r.replica_id.unique_id, None, r.max_ongoing_requests,
-                                    matched_blocks=self.knowledge.matched_blocks(r.replica_id.unique_id, blocks, now))
-                          for r in replicas]
-        request.predicted_cached_tokens = {c.replica_id: self._predicted_tokens(request, c) for c in candidates}
-
-    def _predicted_tokens(self, request, candidate: Candidate) -> int:
-        """Prompt tokens the candidate should serve from cache: its matched blocks, or the history of a
-        conversation it holds; never the whole prompt (the last token is always computed)."""
-        tokens = candidate.matched_blocks * self.block_size
+        last = len(request.prompt_token_ids) - 1
+        predicted = dict.fromkeys(roster.ids, 0)
+        for count, replica_ids in by_matched.items():
+            predicted.update(dict.fromkeys(replica_ids, max(0, min(count * self.block_size, last))))
         span = getattr(request, "new_turn_span", None)
-        if candidate.holds_conversation and span is not None:  # the history, in whole blocks as cached
-            tokens = max(tokens, span[0] // self.block_size * self.block_size)
-        return max(0, min(tokens, len(request.prompt_token_ids) - 1))
+        if span is not None:  # the history, in whole blocks as cached
+            history_tokens = max(0, min(span[0] // self.block_size * self.block_size, last))
+            for replica_id in holders:
+                predicted[replica_id] = max(predicted[replica_id], history_tokens)
+        request.predicted_cached_tokens = predicted
 
     def _by_load(self, replicas: List[RunningReplica]) -> List[RunningReplica]:
         # Within one rank the framework takes the lowest cached queue length below

@@ -15,7 +15,25 @@ from core.engine_config import EngineConfig, MigrationConfig
 class IngressConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    api_keys: list[str] = Field(default_factory=list, description="Bearer tokens accepted; empty: no auth.")
+    api_keys: list[str] = Field(
+        default_factory=list, description="Bearer tokens accepted, in the config itself (it ends up wherever the "
+                                          "config does: prefer api_keys_env or api_keys_file). With none of the "
+                                          "three: no auth.")
+    api_keys_env: str | None = Field(
+        "TETHER_API_KEYS", description="An environment variable of the Ingress's process holding accepted keys, "
+                                       "comma-separated (a Kubernetes Secret as env, k8s/rayservice.yaml); "
+                                       "unset or empty: adds none. None: no variable is read.")
+    api_keys_file: str | None = Field(
+        None, description="A file of accepted keys, one per line (blank lines and #-comments skipped): a mounted "
+                          "Secret. Read when the Ingress starts; a missing file fails the start.")
+    cors_allow_origins: list[str] = Field(
+        default_factory=list, description="Origins a browser may call the API from ('*': any); empty: no CORS "
+                                          "headers (same-origin only).")
+    cors_allow_methods: list[str] = Field(["GET", "POST"], description="Methods allowed cross-origin.")
+    cors_allow_headers: list[str] = Field(["Authorization", "Content-Type"],
+                                          description="Request headers allowed cross-origin.")
+    cors_allow_credentials: bool = Field(False, description="Allow cookies / HTTP auth cross-origin (never with "
+                                                            "origin '*').")
     http_port: int | None = Field(
         None, ge=1, le=65535, description="The fast path: each Ingress replica serves HTTP itself on this port "
                                           "(SO_REUSEPORT: replicas on one node share it), with no Serve proxy "
@@ -81,6 +99,12 @@ class IngressConfig(BaseModel):
         60.0, gt=0, description="Streaming: how long one write to a client that is not reading may wait before "
                                 "the connection is closed and the request aborted.")
 
+    @model_validator(mode="after")
+    def _cors_credentials_need_origins(self):
+        if self.cors_allow_credentials and "*" in self.cors_allow_origins:
+            raise ValueError("cors_allow_credentials cannot be used with cors_allow_origins ['*']: name the origins")
+        return self
+
 
 class RouterConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -95,6 +119,37 @@ class RouterConfig(BaseModel):
                                                          "(Serve's request_routing_stats_period_s).")
 
 
+class AutoscalingOptions(BaseModel):
+    """Serve's replica autoscaling for `num_replicas: auto` (ray.serve.config.AutoscalingConfig): Serve adds a
+    ModelReplica when the ongoing requests per replica, averaged over `look_back_period_s`, stay above the target
+    for `upscale_delay_s`, and removes one when below for `downscale_delay_s`. A replica added takes new
+    conversations (rendezvous hashing moves ~1/N of new keys to it; the router keeps each live conversation
+    where it is cached); a replica removed exports its conversations to the StateDepot on the way out."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_replicas: int = Field(1, ge=0, description="Fewest ModelReplicas.")
+    max_replicas: int = Field(4, ge=1, description="Most ModelReplicas (the cluster must have room for them, or "
+                                                   "Ray's autoscaler must add nodes).")
+    initial_replicas: int | None = Field(None, ge=0, description="Replicas at deploy time; None: min_replicas.")
+    target_ongoing_requests: float = Field(
+        8.0, gt=0, description="Ongoing requests per replica Serve aims for (a replica runs up to "
+                               "engine.max_num_seqs at once; each choice of an n > 1 request counts).")
+    upscale_delay_s: float = Field(30.0, ge=0, description="How long the load must stay above target to add.")
+    downscale_delay_s: float = Field(600.0, ge=0, description="How long it must stay below target to remove.")
+    look_back_period_s: float = Field(30.0, gt=0, description="The window the load is averaged over.")
+    metrics_interval_s: float = Field(10.0, gt=0, description="How often replicas and handles report their load "
+                                                              "(shorter than look_back_period_s).")
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling.min_replicas must be at most max_replicas")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError("autoscaling.look_back_period_s must be longer than metrics_interval_s")
+        return self
+
+
 class AppConfig(BaseModel):
     """`model` and `dtype` are accepted at the top level (the command line's `model=... dtype=...`)
     and live in the engine section."""
@@ -103,7 +158,12 @@ class AppConfig(BaseModel):
 
     served_model_name: str | None = Field(None, description="The model's name in the API; default: from the model.")
     num_replicas: int | Literal["auto"] = Field(1, description="ModelReplica count ('auto': autoscaling).")
+    autoscaling: AutoscalingOptions = Field(default_factory=AutoscalingOptions,
+                                            description="Serve's autoscaling, used with num_replicas 'auto'.")
     replica_num_cpus: float = Field(1.0, ge=0, description="CPUs each ModelReplica actor reserves.")
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each ModelReplica reserves (nodes started with "
+                                          "`--resources`), to keep replicas on the nodes meant for them.")
     replica_max_queued_requests: int = Field(
         32, ge=1, description="Requests each caller may queue for busy replicas; past it: 503 with Retry-After.")
     replica_max_constructor_retry_count: int = Field(

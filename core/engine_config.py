@@ -111,6 +111,11 @@ class MigrationConfig(BaseModel):
                                                          "conversation it does not hold before recomputing.")
     depot_bytes: int = Field(2 << 30, ge=0, description="Most bytes the StateDepot holds (oldest dropped first).")
     depot_ttl_s: float = Field(600.0, gt=0, description="How long an exported state waits to be taken.")
+    depot_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources the StateDepot reserves, to place it on a node "
+                                          "that outlives replicas (the head; k8s/rayservice.yaml). It also "
+                                          "reserves depot_bytes of Ray's `memory` resource, so it only lands on "
+                                          "a node with that much to spare.")
 
 
 def read_max_position_embeddings(model_dir: str) -> int:

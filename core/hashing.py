@@ -11,18 +11,22 @@ Contract (the router and the replicas must hash identically, in every process):
 - `history_key` names a conversation's exact history, chained per message so that a
   new turn extends the previous key by one step;
 - `rendezvous_rank` orders replicas by highest random weight: removing a replica only
-  moves the keys it owned;
+  moves the keys it owned (`rendezvous_order` is its sort key);
 - `short_hash` is the compact form replicas report what they hold in (block hashes,
-  history keys): the first 8 bytes as an int.
+  history keys): the first 8 bytes as an int (`short_hashes`: of many digests at once).
 """
 
+import array
 import hashlib
 import json
 import struct
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 
 DIGEST_SIZE = 16
 _ROOT = bytes(DIGEST_SIZE)  # the parent of block 0 when no parent is given
+_BLAKE2B = hashlib.blake2b(digest_size=DIGEST_SIZE)  # hot paths copy it: cheaper than a new one
+_BIG_ENDIAN_U64 = struct.Struct(">Q")
 # The message fields that decide how a message renders; anything else is ignored.
 _MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id",
                    "reasoning", "reasoning_content")
@@ -53,10 +57,16 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    num_full_tokens = len(token_ids) // block_size * block_size
+    packed = memoryview(_ids_bytes(token_ids[:num_full_tokens]))  # packed once: 8 bytes per id
+    block_bytes = 8 * block_size
     hashes: list[bytes] = []
     prev = _ROOT if parent is None else parent
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = _digest(prev, _ids_bytes(token_ids[start:start + block_size]))
+    for start in range(0, len(packed), block_bytes):
+        h = _BLAKE2B.copy()
+        h.update(prev)
+        h.update(packed[start:start + block_bytes])
+        prev = h.digest()
         hashes.append(prev)
     return hashes
 
@@ -65,6 +75,17 @@ def short_hash(digest: bytes | str) -> int:
     """The first 8 bytes of a digest (bytes, or its hex) as a signed int: what replicas report."""
     raw = bytes.fromhex(digest[:16]) if isinstance(digest, str) else digest[:8]
     return int.from_bytes(raw, "little", signed=True)
+
+
+def short_hashes(digests: Sequence[bytes]) -> list[int]:
+    """`short_hash` of each of these digests (DIGEST_SIZE bytes each), in one pass."""
+    packed = b"".join(digests)
+    if len(packed) != DIGEST_SIZE * len(digests):
+        raise ValueError(f"short_hashes takes {DIGEST_SIZE}-byte digests")
+    words = array.array("q", packed)  # two signed 64-bit words per digest: the first is its short hash
+    if sys.byteorder == "big":
+        words.byteswap()
+    return words[::DIGEST_SIZE // 8].tolist()
 
 
 def prefix_hash(token_ids: Sequence[int]) -> bytes:
@@ -171,19 +192,27 @@ def history_key(caller: str, model: str, template_options: Mapping | None,
     return key
 
 
-def _rendezvous_score(key: str, replica_id: str) -> int:
-    # The NUL separator keeps (key, id) pairs unambiguous.
-    digest = _digest(key.encode("utf-8"), b"\x00", replica_id.encode("utf-8"))
-    return int.from_bytes(digest[:8], "big")
+def rendezvous_order(key: str) -> Callable[[str], tuple[int, str]]:
+    """The sort key of replica ids for `key`: (-score, id), score = the first 8 bytes (big-endian) of
+    H(key || NUL || id); the NUL separator keeps (key, id) pairs unambiguous."""
+    keyed = _BLAKE2B.copy()
+    keyed.update(key.encode("utf-8") + b"\x00")  # once per key, not once per replica
+
+    def order(replica_id: str) -> tuple[int, str]:
+        h = keyed.copy()
+        h.update(replica_id.encode("utf-8"))
+        return -_BIG_ENDIAN_U64.unpack_from(h.digest())[0], replica_id
+
+    return order
 
 
 def rendezvous_rank(key: str, replica_ids: Sequence[str]) -> list[str]:
     """Replica ids by highest-random-weight score H(key, id), best first; ties by id."""
-    return sorted(replica_ids, key=lambda rid: (-_rendezvous_score(key, rid), rid))
+    return sorted(replica_ids, key=rendezvous_order(key))
 
 
 def rendezvous_owner(key: str, replica_ids: Sequence[str]) -> str:
     """The replica that owns `key` among `replica_ids` (the first of `rendezvous_rank`)."""
     if not replica_ids:
         raise ValueError("rendezvous_owner needs at least one replica id")
-    return rendezvous_rank(key, replica_ids)[0]
+    return min(replica_ids, key=rendezvous_order(key))

@@ -48,6 +48,16 @@ def node_ip_address() -> str:
         return "127.0.0.1"
 
 
+def current_node_id() -> str:
+    """The Ray node this process runs on (hex), "local" outside Ray."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # outside Ray
+        return "local"
+
+
 def current_replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -138,7 +148,7 @@ class ModelReplica:
         """Counters for operators and tests: tokens computed vs served from cache, blocks in use."""
         engine = self.engine.engine
         pool = engine.block_pool
-        return {**vars(engine.stats), "replica_id": self.replica_id,
+        return {**vars(engine.stats), "replica_id": self.replica_id, "node_id": current_node_id(),
                 "num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting),
                 "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
                 "num_preemptions": engine.scheduler.num_preemptions, **self.routing, **engine.memory,

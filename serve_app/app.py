@@ -15,6 +15,7 @@ DEPLOY_FAILED with the error, and the ingress's `/health` answers 503.
 """
 
 import asyncio
+import json
 import logging
 import os
 
@@ -89,7 +90,7 @@ def build_app_with(args: dict, request_router: RequestRouterConfig | None = None
     replica_options = dict(
         max_ongoing_requests=engine.max_num_seqs,
         max_queued_requests=config.replica_max_queued_requests,
-        ray_actor_options={"num_cpus": config.replica_num_cpus},
+        ray_actor_options={"num_cpus": config.replica_num_cpus, "resources": dict(config.replica_resources)},
         max_constructor_retry_count=config.replica_max_constructor_retry_count,
         # check_health only reads whether the step thread lives: every 2 s (Serve's default 10 s left a replica
         # whose engine had died taking its conversations' requests, each a 503, for ~34 s:
@@ -102,7 +103,7 @@ def build_app_with(args: dict, request_router: RequestRouterConfig | None = None
         graceful_shutdown_wait_loop_s=0.25,
     )
     if config.num_replicas == "auto":
-        replica_options["autoscaling_config"] = AutoscalingConfig(min_replicas=1, max_replicas=4)
+        replica_options["autoscaling_config"] = AutoscalingConfig(**config.autoscaling.model_dump())
     else:
         replica_options["num_replicas"] = config.num_replicas
     replicas = serve.deployment(replica_class, name="ModelReplica").options(**replica_options)
@@ -115,9 +116,12 @@ def build_app_with(args: dict, request_router: RequestRouterConfig | None = None
         graceful_shutdown_timeout_s=config.ingress.drain_timeout_s + 5, graceful_shutdown_wait_loop_s=0.25)
     depot = None
     if config.migration.enabled:
+        migration = config.migration
+        # Its bytes reserved as Ray `memory`: it only lands on a node with that much to spare.
         depot = serve.deployment(StateDepot, name="StateDepot").options(
-            num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(config.migration.depot_bytes,
-                                                                    config.migration.depot_ttl_s)
+            num_replicas=1, ray_actor_options={"num_cpus": 0, "memory": migration.depot_bytes or None,
+                                               "resources": dict(migration.depot_resources)}
+        ).bind(migration.depot_bytes, migration.depot_ttl_s)
     logger.info("Tether: %s as %r, %s replica(s)", model_dir, config.model_name(), config.num_replicas)
     return ingress.bind(config.model_dump(),
                         replicas.bind(engine.model_dump(), config.migration.model_dump(), depot))
@@ -138,13 +142,22 @@ def router_config(config: AppConfig) -> RequestRouterConfig:
 
 
 def _parse_args(args: dict) -> dict:
-    """`key=value` strings from the command line, or typed values from a YAML `args:` block."""
-    parsed = dict(args)
-    for name in ("ingress", "router", "engine", "migration"):
-        if isinstance(parsed.get(name), str):
-            import json
-
-            parsed[name] = json.loads(parsed[name])
+    """The args of a YAML `args:` block (typed), or the command line's `key=value` strings, where a section's key
+    is dotted (`engine.max_num_seqs=8`) or the whole section is JSON (`engine='{"max_num_seqs": 8}'`); a value
+    that is a JSON list or object (`ingress.cors_allow_origins='["https://a.example"]'`) is parsed as one."""
+    parsed: dict = {}
+    for name, value in args.items():
+        if isinstance(value, str) and value[:1] in "[{":
+            value = json.loads(value)
+        *sections, leaf = name.split(".")
+        target = parsed
+        for section in sections:
+            target = target.setdefault(section, {})
+            if not isinstance(target, dict):
+                raise ValueError(f"{name}: {section} is given both as a value and as a section")
+        if isinstance(target.get(leaf), dict) and isinstance(value, dict):
+            value = {**value, **target[leaf]}  # `engine={...}` and `engine.x=...` together: merged
+        target[leaf] = value
     if isinstance(parsed.get("num_replicas"), str) and parsed["num_replicas"] != "auto":
         parsed["num_replicas"] = int(parsed["num_replicas"])
     return parsed

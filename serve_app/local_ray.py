@@ -24,7 +24,8 @@ def start_local_app(args: dict, port: int, *, proxy_port: int | None = None, app
     if proxy_port is None:
         serve.start(proxy_location="Disabled")
     else:
-        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+        # HeadOnly: nodes added on this machine (testing/local_nodes.py) would each start a proxy on the same port.
+        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port}, proxy_location="HeadOnly")
     args = with_http_port(args, port)
     serve.run((builder or build_app)(args), name=app_name, route_prefix="/")
     return f"http://127.0.0.1:{port}"

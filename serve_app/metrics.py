@@ -6,8 +6,10 @@ process (tests, LocalServer beside a Serve app) never share or collide on counts
 counts every response, 4xx and 5xx included, when its status line is sent: the
 body is never buffered, so SSE streams pass through untouched.
 
-Per-replica engine metrics (KV blocks, running sequences) live in
-replicas/metrics.py and are exported by Ray, not here; docs/metrics.md lists both.
+Inside Ray (the Serve Ingress) every count also goes to Ray's metrics path (`RayIngressMetrics`), under the
+same names with Ray's `ray_` prefix (counters `_total`), so one scrape of a node's Ray metrics port sees the
+ingress, the replicas (replicas/metrics.py) and the routers (cache_router/metrics.py); docs/metrics.md lists
+them all.
 """
 
 import time
@@ -46,31 +48,92 @@ class IngressMetrics:
                                              buckets=ITL_BUCKETS_S, registry=r)
         self.in_flight = Gauge("tether_requests_in_flight", "HTTP requests received and not yet fully answered.",
                                registry=r)
+        self.ray = RayIngressMetrics() if ray_is_running() else None
 
     def request_done(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
+        if self.ray:
+            self.ray.requests.inc(1, tags={"route": route, "status": str(status)})
 
     def tokens(self, prompt: int, completion: int) -> None:
         if prompt > 0:
             self.prompt_tokens.inc(prompt)
+            if self.ray:
+                self.ray.prompt_tokens.inc(prompt)
         if completion > 0:
             self.completion_tokens.inc(completion)
+            if self.ray:
+                self.ray.completion_tokens.inc(completion)
 
     def first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)
+        if self.ray:
+            self.ray.time_to_first_token.observe(seconds)
 
     def inter_token(self, seconds: float) -> None:
         self.inter_token_latency.observe(seconds)
+        if self.ray:
+            self.ray.inter_token_latency.observe(seconds)
 
     def in_flight_inc(self) -> None:
         self.in_flight.inc()
+        if self.ray:
+            self.ray.add_in_flight(1)
 
     def in_flight_dec(self) -> None:
         self.in_flight.dec()
+        if self.ray:
+            self.ray.add_in_flight(-1)
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of the Prometheus text exposition of this registry only."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def ray_is_running() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
+def serve_application() -> str:
+    """The Serve application this process serves ("" outside a Serve replica)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().app_name
+    except Exception:  # a driver, LocalServer beside Ray
+        return ""
+
+
+class RayIngressMetrics:
+    """The same counts through `ray.util.metrics` (a Ray worker or driver only), tagged like the registry's and
+    with the Serve application's name (`application`), so apps sharing a cluster stay apart."""
+
+    def __init__(self):
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        app = {"application": serve_application()}
+        keys = ("application",)
+        self.requests = Counter("tether_requests", "HTTP responses by route template and status code.",
+                                tag_keys=("route", "status", *keys)).set_default_tags(app)
+        self.prompt_tokens = Counter("tether_prompt_tokens", "Prompt tokens of finished generations.",
+                                     tag_keys=keys).set_default_tags(app)
+        self.completion_tokens = Counter("tether_completion_tokens", "Generated tokens of finished generations.",
+                                         tag_keys=keys).set_default_tags(app)
+        self.time_to_first_token = Histogram("tether_time_to_first_token_seconds",
+                                             "Seconds from request arrival to the first generated token.",
+                                             boundaries=list(TTFT_BUCKETS_S), tag_keys=keys).set_default_tags(app)
+        self.inter_token_latency = Histogram("tether_inter_token_latency_seconds",
+                                             "Seconds between consecutive token deltas of one generation.",
+                                             boundaries=list(ITL_BUCKETS_S), tag_keys=keys).set_default_tags(app)
+        self.in_flight = Gauge("tether_requests_in_flight", "HTTP requests received and not yet fully answered.",
+                               tag_keys=keys).set_default_tags(app)
+        self.num_in_flight = 0
+
+    def add_in_flight(self, change: int) -> None:
+        self.num_in_flight += change
+        self.in_flight.set(self.num_in_flight)
 
 
 class TokenTimer:
@@ -120,7 +183,7 @@ class MetricsMiddleware:
                 self.metrics.request_done(route_label(scope), message["status"])
             await send(message)
 
-        self.metrics.in_flight.inc()
+        self.metrics.in_flight_inc()
         try:
             await self.app(scope, receive, send_counting)
         except Exception:
@@ -129,7 +192,7 @@ class MetricsMiddleware:
                 self.metrics.request_done(route_label(scope), 500)
             raise
         finally:
-            self.metrics.in_flight.dec()
+            self.metrics.in_flight_dec()
 
 
 def route_label(scope) -> str:

@@ -40,7 +40,7 @@ class Deployment:
         ingress = server.config.ingress
         limits = tuple((name, getattr(ingress, name)) for name in LIMITS if getattr(ingress, name, None) is not None)
         return cls(server.model_name, len(server.renderer.tokenizer), ingress.max_n, server.max_model_len,
-                   server.renderer.image_token_id is not None, bool(ingress.api_keys), limits)
+                   server.renderer.image_token_id is not None, bool(server.api_keys), limits)
 
     def limit(self, name: str) -> dict:
         """{keyword: the limit} for a JSON Schema keyword, or {} where the deployment sets none."""

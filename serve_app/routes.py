@@ -10,6 +10,7 @@ import hmac
 import json
 import time
 import uuid
+from typing import Sequence
 
 from fastapi import Depends, FastAPI, Request
 
@@ -18,6 +19,7 @@ from core.engine_config import read_max_position_embeddings
 from core.hashing import route_key
 from core.messages import GenerateRequest, ImageInput, RequestError, StructuredSpec, as_request_error
 from model_files.prepare import prepare_model
+from serve_app.access import install_cors, load_api_keys
 from serve_app.backend import DEPLOYMENT_FAILED
 from serve_app.errors import error_response, install_error_handlers
 from serve_app.fanout import REPLICA_HEADER, FanOut
@@ -51,6 +53,7 @@ class OpenAIServer:
         self._tool_parser: str | None = None
         self._asked_replicas = False
         self.image_limits = ImageLimits.from_config(config.ingress)
+        self.api_keys = load_api_keys(config.ingress)
 
     @classmethod
     def from_config(cls, config: AppConfig, backend) -> "OpenAIServer":
@@ -66,7 +69,7 @@ class OpenAIServer:
     def authenticate(self, http: Request) -> str | None:
         """A FastAPI dependency, so a bad key answers 401 before the body is even validated.
         Returns the caller's key identity (a digest, never the key), or None without auth."""
-        keys = self.config.ingress.api_keys
+        keys = self.api_keys
         if not keys:
             return None
         auth = http.headers.get("authorization", "")
@@ -303,6 +306,7 @@ def make_api(server: OpenAIServer) -> FastAPI:
     app.add_middleware(BodyLimit, max_body_bytes=server.config.ingress.max_body_bytes)  # 413s are counted too
     install_metrics(app, server.metrics)  # GET /metrics, and every response counted by route and status
     install_openapi(app, server)  # /openapi.json as precise as the validation (serve_app/openapi.py)
+    install_cors(app, server.config.ingress)
     auth = Depends(server.authenticate)
 
     @app.post("/v1/chat/completions")
@@ -339,7 +343,7 @@ def make_api(server: OpenAIServer) -> FastAPI:
     return app
 
 
-def is_known_key(token: str, keys: list[str]) -> bool:
+def is_known_key(token: str, keys: Sequence[str]) -> bool:
     """Compares against every key in constant time, so the answer's timing tells nothing of a key's prefix."""
     given = token.encode()
     return any([hmac.compare_digest(given, key.encode()) for key in keys])

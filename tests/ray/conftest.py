@@ -10,6 +10,7 @@ MODEL = "tiny"
 
 
 METRICS_PORT = free_port()  # Ray's Prometheus export port for this run
+HEAD_RESOURCE = "tether-head"  # only the session's first node has it: what must stay on the head asks for it
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +29,8 @@ def serve_app(tiny_llama_dir):
     args = {"model": str(tiny_llama_dir), "served_model_name": MODEL, "num_replicas": 2, "dtype": "float32",
             "replica_num_cpus": 0, "engine": {"num_threads": 1}}
     yield start_local_app(args, free_port(), proxy_port=PROXY_PORT, app_name=APP, runtime_env=None,
-                          _node_ip_address="127.0.0.1", _metrics_export_port=METRICS_PORT)
+                          _node_ip_address="127.0.0.1", _metrics_export_port=METRICS_PORT,
+                          resources={HEAD_RESOURCE: 64})
     stop_local_app()
 
 

@@ -210,6 +210,43 @@ def test_routing_metrics_per_replica_on_the_ray_metrics_port(serve_app, replica_
         assert own["num_delivered_cached_tokens"] >= 0.9 * own["num_predicted_cached_tokens"] > 0
 
 
+def ray_series(url: str, name: str, application: str) -> float:
+    """The sum of one metric's series of `application` on a Prometheus text page."""
+    import re
+    import urllib.request
+
+    total = 0.0
+    for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
+        match = re.match(rf'^{name}{{(.*)}} (\S+)$', line)
+        if match and f'application="{application}"' in match.group(1):
+            total += float(match.group(2))
+    return total
+
+
+def test_ingress_metrics_reach_the_ray_metrics_port(serve_app, metrics_url):
+    """One scrape sees the ingress too: Ray's port counts what the Ingress's own registry counts."""
+    import time
+    import urllib.request
+
+    c = client(serve_app)
+    c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count me"}], max_tokens=3)
+
+    def own(name: str) -> float:
+        page = urllib.request.urlopen(f"{serve_app}/metrics", timeout=5).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(name + " "))
+
+    deadline = time.time() + 60  # Ray exports every few seconds
+    while True:
+        expected = own("tether_completion_tokens_total")
+        exported = ray_series(metrics_url, "ray_tether_completion_tokens_total", "tether")
+        if exported == expected or time.time() > deadline:
+            break
+        time.sleep(2)
+    assert exported == expected > 0
+    assert ray_series(metrics_url, "ray_tether_time_to_first_token_seconds_count", "tether") > 0
+    assert ray_series(metrics_url, "ray_tether_requests_total", "tether") > 0
+
+
 def wait_for_replacement(victim: str, timeout_s: float = 60.0) -> None:
     """Until Serve runs 2 healthy ModelReplicas again, none of them the dead one (the handles' routers
     learn the new set from the controller)."""

@@ -40,3 +40,17 @@ def test_the_kubernetes_service_reaches_the_ingress_port():
     head = next(d for d in documents if d["kind"] == "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
     ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
     assert ports["tether-http"] == 8000 and "tether-ingress" in head["rayStartParams"]["resources"]
+
+
+def test_command_line_args_take_dotted_keys_and_json():
+    """`serve run serve_app.app:build_app engine.max_num_seqs=8 ...`: what the README shows works as written."""
+    args = {"model": "default", "num_replicas": "auto", "autoscaling.max_replicas": "3",
+            "engine": '{"kv_cache_bytes": 268435456}', "engine.max_num_seqs": "8",
+            "ingress.cors_allow_origins": '["https://chat.example.com"]', "ingress.api_keys_file": "/etc/keys"}
+    config = AppConfig(**_parse_args(args))
+    assert (config.engine.kv_cache_bytes, config.engine.max_num_seqs) == (268435456, 8)
+    assert config.autoscaling.max_replicas == 3 and config.num_replicas == "auto"
+    assert config.ingress.cors_allow_origins == ["https://chat.example.com"]
+    assert config.ingress.api_keys_file == "/etc/keys"
+    with pytest.raises(ValueError, match="engine"):
+        _parse_args({"engine": "x", "engine.max_num_seqs": "8"})

@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("core", "model_files", "replicas", "cache_router", "serve_app", "testing", "bench", "tests")
-TOP_DIRS = PACKAGES + ("docs", "configs", "k8s", ".ci")
+TOP_DIRS = PACKAGES + ("docs", "configs", "k8s", "docker", ".ci")
 EXTENSIONS = ("py", "md", "yaml", "yml", "cpp", "h", "sh", "toml", "json", "jinja", "png", "txt")
 SKIPPED = {".git", ".venv", "__pycache__", ".pytest_cache", "build", "node_modules"}
 FILE_IN_TEXT = re.compile(r"(?<![\w./~$<:-])((?:[\w.-]+/)+[\w.-]+\.(?:%s))\b" % "|".join(EXTENSIONS))

@@ -1,6 +1,9 @@
 """core.hashing: chained block hashes, route and history keys, rendezvous ranking."""
 
+import hashlib
 import os
+import random
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +19,8 @@ from core.hashing import (
     rendezvous_owner,
     rendezvous_rank,
     route_key,
+    short_hash,
+    short_hashes,
 )
 
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -214,6 +219,55 @@ def test_rendezvous_balances_two_replicas():
     for n in range(200):
         counts[rendezvous_owner(route_key("c", "m", token_ids=[n]), list(counts))] += 1
     assert all(60 <= c <= 140 for c in counts.values()), counts
+
+
+
+# --- the fast forms against the definitions written plainly ------------------------
+
+def naive_block_hashes(token_ids, block_size: int, parent: bytes | None = None) -> list[bytes]:
+    """h_i = blake2b-128(h_{i-1} || block i's ids as int64 little-endian), full blocks only."""
+    hashes, prev = [], bytes(16) if parent is None else parent
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        ids = token_ids[start:start + block_size]
+        prev = hashlib.blake2b(prev + struct.pack(f"<{len(ids)}q", *ids), digest_size=16).digest()
+        hashes.append(prev)
+    return hashes
+
+
+def naive_rendezvous_rank(key: str, replica_ids) -> list[str]:
+    """Best first by the big-endian first 8 bytes of blake2b-128(key || NUL || id); ties by id."""
+    def score(rid: str) -> int:
+        return int.from_bytes(hashlib.blake2b(key.encode() + b"\x00" + rid.encode(), digest_size=16).digest()[:8], "big")
+    return sorted(replica_ids, key=lambda rid: (-score(rid), rid))
+
+
+def test_block_hashes_equal_the_plain_chained_definition():
+    rng = random.Random(5)
+    for case in range(300):
+        ids = [rng.randrange(-2**63, 2**63) if case % 5 == 0 else rng.randrange(200_000)
+               for _ in range(rng.randrange(0, 70))]
+        block_size, parent = rng.choice([1, 3, 4, 16]), None if case % 3 else bytes(range(16))
+        assert block_hashes(ids, block_size, parent) == naive_block_hashes(ids, block_size, parent)
+        assert block_hashes(tuple(ids), block_size, parent) == naive_block_hashes(ids, block_size, parent)
+    assert block_hashes(list(range(40)), 16)[-1].hex() == "b3c2067565eefdb38a373a8b9c6ac4f1"  # pinned
+
+
+def test_rendezvous_rank_and_owner_equal_the_plain_definition():
+    rng = random.Random(6)
+    for case in range(300):
+        ids = ["".join(rng.choices("abcdef0123456789é", k=rng.randrange(1, 9))) for _ in range(rng.randrange(1, 30))]
+        key = "".join(rng.choices("abcdefé\x00", k=rng.randrange(0, 40)))
+        assert rendezvous_rank(key, ids) == naive_rendezvous_rank(key, ids)
+        assert rendezvous_owner(key, ids) == naive_rendezvous_rank(key, ids)[0]
+    assert rendezvous_rank("conversation-7", [f"r{i}" for i in range(6)]) == ["r2", "r0", "r5", "r3", "r1", "r4"]
+
+
+def test_short_hashes_are_short_hash_of_each_digest():
+    digests = block_hashes(list(range(200)), 4)
+    assert short_hashes(digests) == [short_hash(d) for d in digests]
+    assert short_hashes([]) == []
+    with pytest.raises(ValueError):
+        short_hashes([bytes(8)])
 
 
 if __name__ == "__main__":

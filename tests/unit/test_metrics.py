@@ -181,25 +181,3 @@ if __name__ == "__main__":
 
     sys.exit(pytest.main([__file__, "-q"]))
 
-
-def test_the_grafana_dashboard_queries_only_metrics_tether_exports():
-    """docs/grafana/tether_routing.json: every `ray_tether_*` name it queries is one ReplicaMetrics or
-    RouterMetrics defines (with Ray's export spelling), and every routing metric has a panel."""
-    import json
-    import re
-    from pathlib import Path
-
-    import cache_router.metrics as router_metrics
-    from replicas import metrics as replica_metrics
-
-    dashboard = json.loads((Path(__file__).parents[2] / "docs/grafana/tether_routing.json").read_text())
-    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
-               for name in re.findall(r"ray_tether_\w+", target["expr"])}
-    exported = {f"ray_{name}_total" for name, _ in [*replica_metrics.COUNTERS.values(),
-                                                       *replica_metrics.ROUTED.values()]}
-    exported |= {f"ray_{name}" for name, _ in replica_metrics.GAUGES.values()}
-    exported |= {f"ray_{name}_total" for name in re.findall(r'Counter\("(tether_router_\w+)"',
-                                                            Path(router_metrics.__file__).read_text())}
-    assert queried <= exported, f"unknown metrics in the dashboard: {queried - exported}"
-    routing = {n for n in exported if "router" in n or "cached" in n or "shortfall" in n}
-    assert routing <= queried, f"routing metrics without a panel: {routing - queried}"

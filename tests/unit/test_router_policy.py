@@ -6,13 +6,14 @@ as Serve's probes would put them. No Ray cluster is needed to construct a router
 """
 
 import asyncio
+import random
 import time
 
 import pytest
 from ray.serve._private.common import DeploymentID, DeploymentHandleSource, ReplicaID, RequestMetadata
 from ray.serve._private.request_router.common import PendingRequest
 
-from cache_router.policy import Candidate, PolicyConfig, choose
+from cache_router.policy import Candidates, PolicyConfig, choose
 from cache_router.router import ConversationRouter
 from core.hashing import block_hashes, rendezvous_owner, rendezvous_rank, short_hash
 from core.messages import GenerateRequest, SamplingParams
@@ -27,6 +28,10 @@ class Replica:
         self.replica_id = ReplicaID(uid, DEPLOYMENT)
         self.max_ongoing_requests = max_ongoing
         self.routing_stats = routing_stats or {}
+        self.node_id, self.availability_zone, self.multiplexed_model_ids = "", None, set()  # read by Serve's base
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
 
 
 def make_router(**kwargs) -> ConversationRouter:
@@ -222,6 +227,26 @@ def test_adding_a_replica_moves_few_conversations_and_no_held_one():
         assert route(router, new, request(k, list(range(30)), history=history, span=(20, 30))) == [before[k]]
 
 
+def test_reports_are_taken_in_when_serve_hands_over_the_replicas():
+    """Serve delivers new routing stats through `update_replicas` (each RunningReplicaInfo broadcast): the
+    knowledge has them before the next decision; a replica that goes leaves nothing behind."""
+    a, b, c = Replica("a"), Replica("b"), Replica("c")
+    key, history = keys_owned_by("a", ["b", "c"], 1)[0], "ef" * 16
+    b.routing_stats = {"conversations": [short_hash(history)], "blocks": []}
+
+    async def scenario():  # one event loop, as Serve's router has
+        router = make_router()
+        router.update_replicas([a, b])
+        assert router.knowledge.conversation_holders(router.knowledge.live(["a", "b"]), short_hash(history),
+                                                     None) == ["b"]
+        first = await router.choose_replicas([a, b], pending(request(key, list(range(30)), history, (20, 30))))
+        router.update_replicas([a, c])  # b goes; c takes its slot
+        then = await router.choose_replicas([a, c], pending(request(key, list(range(30)), history, (20, 30))))
+        return [r.replica_id.unique_id for r in first[0]], [r.replica_id.unique_id for r in then[0]]
+
+    assert in_loop(scenario) == (["b"], ["a"])
+
+
 # --- 4. imbalance -------------------------------------------------------------------
 
 
@@ -258,13 +283,69 @@ def test_requests_without_a_key_or_waiting_too_long_go_to_any_replica():
     assert len(route(router, [a, b], old, created_at=time.time() - 1)) == 2 and old.route_reason == "waited"
 
 
+def candidates(*rows) -> Candidates:
+    """Rows of (replica id, queue length or None, max ongoing[, holds the conversation[, matched blocks]])."""
+    rows = [(row + (False, 0))[:5] for row in rows]
+    by_matched = {}
+    for replica_id, *_, matched in rows:
+        if matched:
+            by_matched.setdefault(matched, []).append(replica_id)
+    queue_lens = {row[0]: row[1] for row in rows}
+    max_ongoing = {row[0]: row[2] for row in rows}
+    return Candidates([row[0] for row in rows], queue_lens.get, max_ongoing.get,
+                      [row[0] for row in rows if row[3]], by_matched)
+
+
 def test_the_pure_policy_prefers_held_then_prefix_then_owner():
     config = PolicyConfig(imbalance_threshold=4, min_prefix_blocks=2)
     key = keys_owned_by("a", ["b", "c"], 1)[0]
-    owner_only = [Candidate("a", 0, 8), Candidate("b", 0, 8), Candidate("c", 0, 8)]
+    owner_only = candidates(("a", 0, 8), ("b", 0, 8), ("c", 0, 8))
     assert choose(owner_only, key, config).replica_ids == ["a"]
-    prefix = [Candidate("a", 0, 8), Candidate("b", 0, 8, matched_blocks=3), Candidate("c", 0, 8)]
+    prefix = candidates(("a", 0, 8), ("b", 0, 8, False, 3), ("c", 0, 8))
     assert choose(prefix, key, config) .reason == "prefix"
     assert choose(prefix, key, config, shared_blocks=2).reason == "rendezvous"
-    held = [Candidate("a", 0, 8), Candidate("b", 0, 8, matched_blocks=3), Candidate("c", 4, 8, True)]
+    held = candidates(("a", 0, 8), ("b", 0, 8, False, 3), ("c", 4, 8, True))
     assert choose(held, key, config).replica_ids == ["c"]
+
+
+
+def naive_choose(rows, key: str, config: PolicyConfig, shared_blocks: int) -> tuple[list[str], str]:
+    """The policy's steps written plainly over every candidate (the first form of cache_router/policy.py): rows of
+    (replica id, queue length or None, max ongoing, holds the conversation, matched blocks)."""
+    by_id = {row[0]: row for row in rows}
+    ranked = [by_id[rid] for rid in rendezvous_rank(key, list(by_id))]
+    floor = min((row[1] for row in rows if row[1] is not None), default=0)
+
+    def within_load(row) -> bool:
+        return row[1] is None or (row[1] < row[2] and row[1] - floor <= config.imbalance_threshold)
+
+    def own(row) -> int:
+        return max(0, row[4] - shared_blocks)
+
+    holders = [row for row in ranked if row[3]]
+    best = max(ranked, key=own)
+    best = best if own(best) - own(ranked[0]) >= config.min_prefix_blocks else None
+    owner = ranked[0]
+    for row, reason in [(h, "conversation") for h in holders] + [(best, "prefix"), (owner, "rendezvous")]:
+        if row is not None and within_load(row):
+            return [row[0]], reason
+    preferred = holders[0] if holders else best or owner
+    second = next((row for row in ranked if row is not preferred), None)
+    return [preferred[0]] + ([second[0]] if second else []), "balance"
+
+
+def test_the_policy_decides_as_its_plain_form_on_random_states():
+    rng = random.Random(7)
+    for case in range(3000):
+        rows = [(f"r{i}", rng.choice([None] + list(range(13))), rng.choice([4, 8, 16]), rng.random() < 0.2,
+                 rng.choice([0, 0, 1, 2, 3, 5, 8])) for i in range(rng.randint(1, 6))]
+        config = PolicyConfig(imbalance_threshold=rng.randint(0, 4), min_prefix_blocks=rng.randint(0, 3))
+        key, shared = f"conversation-{case}", rng.randint(0, 3)
+        choice = choose(candidates(*rows), key, config, shared)
+        assert (choice.replica_ids, choice.reason) == naive_choose(rows, key, config, shared), (rows, config, shared)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(pytest.main([__file__, "-q"]))
