@@ -50,12 +50,11 @@ def node_ip_address() -> str:
 
 def current_node_id() -> str:
     """The Ray node this process runs on (hex), "local" outside Ray."""
-    try:
-        import ray
+    import ray
 
-        return ray.get_runtime_context().get_node_id()
-    except Exception:  # outside Ray
+    if not ray.is_initialized():  # get_runtime_context() would start a local Ray
         return "local"
+    return ray.get_runtime_context().get_node_id()
 
 
 def current_replica_id() -> str:

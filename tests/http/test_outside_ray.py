@@ -1,0 +1,18 @@
+"""Serving in process (LocalServer, the benchmarks) never starts Ray: some Ray calls start a local instance on
+first use (`ray.get_runtime_context()` does), which would then stand in the way of the Ray tests' own."""
+
+import httpx
+
+from tests.http.conftest import MODEL
+
+
+def test_serving_and_reading_stats_in_process_leaves_ray_off(http, replica):
+    import ray
+
+    reply = httpx.post(f"{http.base_url}/v1/chat/completions", timeout=30,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert reply.status_code == 200
+    stats = replica.engine_stats()
+    assert stats["node_id"] == "local" and stats["replica_id"] == "local"
+    assert replica.record_routing_stats()["blocks"] is not None
+    assert not ray.is_initialized()
