@@ -148,7 +148,10 @@ def _parse_args(args: dict) -> dict:
     parsed: dict = {}
     for name, value in args.items():
         if isinstance(value, str) and value[:1] in "[{":
-            value = json.loads(value)
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{name}: a value starting with {value[0]!r} is read as JSON: {exc}") from None
         *sections, leaf = name.split(".")
         target = parsed
         for section in sections:

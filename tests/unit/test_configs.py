@@ -54,3 +54,5 @@ def test_command_line_args_take_dotted_keys_and_json():
     assert config.ingress.api_keys_file == "/etc/keys"
     with pytest.raises(ValueError, match="engine"):
         _parse_args({"engine": "x", "engine.max_num_seqs": "8"})
+    with pytest.raises(ValueError, match="ingress.cors_allow_origins: a value starting with '\\[' is read as JSON"):
+        _parse_args({"ingress.cors_allow_origins": "[https://a.example]"})
