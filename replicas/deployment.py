@@ -89,6 +89,7 @@ class ModelReplica:
     def _attach(self, migration: dict | None, depot) -> None:
         """What serves `self.engine` beyond the engine itself: identity, delta channels, migration, metrics."""
         self.replica_id = current_replica_id()
+        self.node_id = current_node_id()
         self.channels = DeltaChannels(self.replica_id, node_ip_address())
         self.migrator = Migrator(self.engine, MigrationConfig(**(migration or {})), depot)
         self.metrics = ReplicaMetrics(self.replica_id)  # a no-op outside Ray
@@ -147,7 +148,7 @@ class ModelReplica:
         """Counters for operators and tests: tokens computed vs served from cache, blocks in use."""
         engine = self.engine.engine
         pool = engine.block_pool
-        return {**vars(engine.stats), "replica_id": self.replica_id, "node_id": current_node_id(),
+        return {**vars(engine.stats), "replica_id": self.replica_id, "node_id": self.node_id,
                 "num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting),
                 "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
                 "num_preemptions": engine.scheduler.num_preemptions, **self.routing, **engine.memory,

@@ -40,27 +40,27 @@ def deploy(config: dict) -> None:
     _get_global_client().deploy_apps(ServeDeploySchema(applications=[config]))
 
 
-def replica_ids() -> set[str]:
+def replica_ids(app: str = APP) -> set[str]:
     import ray
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-    return {name.rsplit("#", 1)[-1] for name in names if f"{APP}#ModelReplica#" in name}
+    return {name.rsplit("#", 1)[-1] for name in names if f"{app}#ModelReplica#" in name}
 
 
-def wait_for(replicas: int, gone: set[str] = frozenset(), timeout_s: float = 120.0) -> set[str]:
-    """Until the app runs `replicas` ModelReplicas, none of `gone` alive (their export is done by then)."""
+def wait_for(replicas: int, gone: set[str] = frozenset(), timeout_s: float = 120.0, app: str = APP) -> set[str]:
+    """Until `app` runs `replicas` ModelReplicas, none of `gone` alive (their export is done by then)."""
     from ray import serve
 
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        app = serve.status().applications.get(APP)
-        ids = replica_ids()
-        if app is not None and app.status == "RUNNING" and len(ids) == replicas and not ids & gone:
-            deployment = app.deployments["ModelReplica"]
+        status = serve.status().applications.get(app)
+        ids = replica_ids(app)
+        if status is not None and status.status == "RUNNING" and len(ids) == replicas and not ids & gone:
+            deployment = status.deployments["ModelReplica"]
             if deployment.replica_states.get("RUNNING", 0) == replicas:
                 return ids
         time.sleep(0.5)
-    raise AssertionError(f"the app did not reach {replicas} replicas: {serve.status().applications.get(APP)}")
+    raise AssertionError(f"the app did not reach {replicas} replicas: {serve.status().applications.get(app)}")
 
 
 def chat(base: str, messages: list[dict]) -> dict:

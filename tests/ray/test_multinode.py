@@ -25,7 +25,7 @@ from core.hashing import rendezvous_owner, route_key
 from serve_app.local_server import free_port
 from serve_app.routes import REPLICA_HEADER
 from testing.local_nodes import add_node, drain_node, kill_node, stop_node
-from testing.migration import BLOCK, MODEL, deploy, new_tokens, next_turn, spread_over
+from testing.migration import BLOCK, MODEL, deploy, new_tokens, next_turn, spread_over, wait_for
 from testing.routing_warmup import wait_until_routed_to_each
 from tests.ray.conftest import HEAD_RESOURCE, stats_of_each
 from tests.ray.test_migration import cold_completion
@@ -45,24 +45,10 @@ def app_config(model_dir) -> dict:
             "deployments": [{"name": "Ingress", "ray_actor_options": {"num_cpus": 0, "resources": head}}]}
 
 
-def replica_nodes(count: int, gone: set[str] = frozenset(), timeout_s: float = 120.0) -> dict[str, str]:
+def replica_nodes(count: int, gone: set[str] = frozenset()) -> dict[str, str]:
     """Once the app runs `count` ModelReplicas, none of `gone`: replica id -> the node id it runs on."""
-    import ray
-    from ray import serve
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-        ids = {name.rsplit("#", 1)[-1] for name in names if f"{APP}#ModelReplica#" in name}
-        app = serve.status().applications.get(APP)
-        deployment = app.deployments.get("ModelReplica") if app else None
-        running = deployment.replica_states.get("RUNNING", 0) if deployment else 0
-        if app and app.status == "RUNNING" and len(ids) == count and running == count and not ids & gone:
-            return {rid: stats["node_id"] for rid, stats in stats_of_each(ids, APP).items()}
-        time.sleep(0.5)
-    nodes = [(n["NodeID"][:8], n["Alive"], n["Resources"].get(SLOT)) for n in ray.nodes()]
-    raise AssertionError(f"the app did not reach {count} replicas: {serve.status().applications.get(APP)}; "
-                         f"nodes (id, alive, slots): {nodes}")
+    ids = wait_for(count, gone, app=APP)
+    return {rid: stats["node_id"] for rid, stats in stats_of_each(ids, APP).items()}
 
 
 def first_turns_owned_by(owner: str, replica_ids: list[str], count: int, label: str) -> list[dict]:
